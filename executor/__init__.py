@@ -1,0 +1,1 @@
+"""Device side: HF loading, paged KV cache, ragged forward, drafters, round executor."""

@@ -1,0 +1,40 @@
+"""`hipfire-serve` console script: dispatches to the subcommand's own `main(argv)`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, function, one-line help). Modules are imported lazily so that
+# `hipfire-serve simulate` never imports torch.
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "serve": ("hipfire_serve.server.main", "main", "start the OpenAI-compatible server"),
+    "simulate": ("scheduler.sim.cli", "main", "run the scheduler simulator on a cost profile"),
+    "profile": ("executor.profiler", "main", "measure the round-time cost profile on a device"),
+    "bench": ("loadtests.gpu_bench", "main", "end-to-end engine benchmark on a GPU"),
+    "hash-key": ("hipfire_serve.server.tenants", "hash_key_main", "print sha256 of an API key"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: hipfire-serve <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"hipfire-serve: unknown command {name!r} (try --help)", file=sys.stderr)
+        return 2
+    module_name, func_name, _ = SUBCOMMANDS[name]
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

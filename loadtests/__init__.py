@@ -1,0 +1,1 @@
+"""Load generators and benchmark harnesses (speak HTTP to any OpenAI-compatible server)."""

@@ -1,0 +1,1 @@
+"""Torch-free scheduling: slot pool, admission, the per-round speculative/AR policy, simulator."""
