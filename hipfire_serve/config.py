@@ -1,0 +1,76 @@
+"""Engine configuration: one dataclass whose field docs become the CLI's `--help`.
+
+The offline `LLM(...)` API takes these fields as keyword arguments; `hipfire-serve serve` takes
+them as `--kebab-case` flags (plus the server's own fields in `hipfire_serve/server/config.py`).
+Each field carries `metadata={"help": ...}`; choices are listed in `metadata["choices"]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+def _f(default, help_: str, **extra):
+    return field(default=default, metadata={"help": help_, **extra})
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    model: str = _f("demo", "model directory (Hugging Face format) or 'demo' for the embedded one")
+    draft: str = _f(
+        "auto",
+        "drafter: a model directory, 'ngram', 'synthetic' (benchmarks only), 'none', or 'auto' "
+        "(the demo draft model with the demo target, else none)",
+    )
+    spec_mode: str = _f(
+        "adaptive", "speculation policy", choices=("adaptive", "spec", "ar")
+    )
+    spec_depth: int = _f(8, "rows verified per speculating request (drafts + 1), at most")
+    max_concurrency: int = _f(64, "live slot capacity (requests decoding at once)")
+    max_queue: int = _f(1024, "waiting requests beyond which new ones get 503")
+    max_model_len: int = _f(0, "context length limit; 0 takes the model's")
+    kv_cache_memory: str = _f(
+        "auto", "KV cache size: bytes with unit (e.g. 8GiB), or 'auto' (a share of free memory)"
+    )
+    block_size: int = _f(16, "tokens per KV cache block")
+    max_prefill_tokens: int = _f(2048, "prompt tokens prefilled per round (chunked prefill)")
+    dtype: str = _f("auto", "weights dtype", choices=("auto", "bfloat16", "float16", "float32"))
+    device: str = _f("auto", "torch device: 'auto' (cuda if present, else cpu), 'cuda:0', 'cpu'")
+    graphs: str = _f(
+        "lazy", "CUDA/HIP graphs for decode rounds", choices=("lazy", "startup", "off")
+    )
+    cost_profile: str = _f("auto", "scheduler cost profile JSON; 'auto' finds or builds one")
+    acceptance_profile: str = _f(
+        "", "acceptance profile JSON (only for --draft synthetic) and its cohort as FILE:COHORT"
+    )
+    allow_synthetic_draft: bool = _f(False, "permit --draft synthetic (benchmarks only)")
+    seed: int = _f(0, "base seed for sampling without a per-request seed")
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        """Raises ValueError with a one-line reason for a bad combination."""
+        if self.spec_depth < 1 or self.spec_depth > 32:
+            raise ValueError(f"--spec-depth must be in [1, 32], got {self.spec_depth}")
+        if self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError(f"--block-size must be 8, 16, 32 or 64, got {self.block_size}")
+        if self.max_prefill_tokens < self.block_size:
+            raise ValueError("--max-prefill-tokens must be at least --block-size")
+        if self.draft == "synthetic" and not self.allow_synthetic_draft:
+            raise ValueError(
+                "--draft synthetic fakes acceptance for benchmarks; add --allow-synthetic-draft"
+            )
+        if self.draft == "synthetic" and not self.acceptance_profile:
+            raise ValueError("--draft synthetic needs --acceptance-profile FILE:COHORT")
+        if self.spec_mode == "spec" and self.draft == "none":
+            raise ValueError("--spec-mode spec needs a drafter (--draft is 'none')")
+
+
+def config_fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.init]
