@@ -1,0 +1,32 @@
+"""Suite-wide settings: GPU tests are skipped without a CUDA/HIP device."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Hypothesis: bounded, deterministic runs so CI time is predictable on 2 cores.
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA/HIP GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
