@@ -1,0 +1,142 @@
+"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3) over a ragged batch of rows.
+
+One call runs every new row of a round: prefill chunks, single AR rows and multi-row speculative
+groups alike. A sequence contributes `q_len >= 1` consecutive rows; they attend causally among
+themselves and to the sequence's cached KV. New K/V are written into the paged cache in place, so
+after the forward the cache holds every row's KV (rejected speculative rows simply lie past the
+committed end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.model_config import ModelConfig
+from executor.ops import select_ops
+from executor.rope import build_cos_sin_cache
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None  # [head_dim]
+    o_proj: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: tuple[LayerWeights, ...]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
+
+
+@dataclass(frozen=True)
+class AttnMetadata:
+    """Where the rows of one forward sit. Padded rows have slot -1 and belong to no sequence."""
+
+    positions: torch.Tensor  # [num_rows] int64
+    slot_mapping: torch.Tensor  # [num_rows] int64: block_id * block_size + offset, -1 = skip
+    cu_q_lens: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: KV length after this forward (new rows included)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+
+
+class Model:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        ops_backend: str = "auto",
+        max_position: int | None = None,
+    ):
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self.ops = select_ops(device, ops_backend)
+        self.max_position = max_position or config.max_position
+        self.cos_sin = build_cos_sin_cache(
+            config.rope, config.head_dim, self.max_position, device
+        )  # [max_position, rot_dim]
+        self.scale = config.head_dim**-0.5
+
+    @property
+    def num_params(self) -> int:
+        w = self.weights
+        tensors = [w.embed, w.final_norm] + ([] if w.lm_head is w.embed else [w.lm_head])
+        for lw in w.layers:
+            tensors += [t for t in vars(lw).values() if t is not None]
+        return sum(t.numel() for t in tensors)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_rows] int64
+        meta: AttnMetadata,
+        k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Returns the final-normed hidden states [num_rows, hidden]."""
+        cfg, ops = self.config, self.ops
+        num_rows = input_ids.shape[0]
+        hidden = self.weights.embed[input_ids]  # [num_rows, hidden]
+        residual = None
+        for i, lw in enumerate(self.weights.layers):
+            if residual is None:
+                residual = hidden
+                x = ops.rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = ops.rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps, residual)
+            qkv = torch.nn.functional.linear(x, lw.qkv, lw.qkv_bias)  # [num_rows, q + 2 kv]
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.reshape(num_rows, cfg.num_q_heads, cfg.head_dim)
+            k = k.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = ops.head_rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+                k = ops.head_rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+            else:
+                q, k = q.contiguous(), k.contiguous()
+            v = v.contiguous()
+            ops.rope_and_write_kv(
+                q,
+                k,
+                v,
+                meta.positions,
+                self.cos_sin,
+                meta.slot_mapping,
+                k_caches[i],
+                v_caches[i],
+                is_neox=True,
+            )
+            attn = ops.verify_attention(
+                q,
+                k_caches[i],
+                v_caches[i],
+                meta.cu_q_lens,
+                meta.seq_lens,
+                meta.block_tables,
+                self.scale,
+            )  # [num_rows, num_q_heads, head_dim]
+            hidden = torch.nn.functional.linear(attn.reshape(num_rows, cfg.q_size), lw.o_proj)
+            x, residual = ops.rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps, residual)
+            hidden = torch.nn.functional.linear(
+                ops.silu_and_mul(torch.nn.functional.linear(x, lw.gate_up)), lw.down
+            )
+        out, _ = ops.rms_norm(hidden, self.weights.final_norm, cfg.rms_norm_eps, residual)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] float32."""
+        return torch.nn.functional.linear(hidden, self.weights.lm_head).float()

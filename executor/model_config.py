@@ -1,0 +1,165 @@
+"""Model configuration parsed from a Hugging Face `config.json` (transformers 4.x and 5.x forms)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# architecture name -> (qkv bias by default, per-head q/k RMSNorm)
+SUPPORTED_ARCHS: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be served; the message is one line naming what is wrong."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    rotary_dim: int = 0  # 0: the whole head_dim
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    torch_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_q_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope_config(raw: dict, max_position: int, head_dim: int) -> RopeConfig:
+    # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x has `rope_theta` plus an
+    # optional `rope_scaling` dict (its type under "rope_type" or the older "type").
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
+        )
+    partial = float(raw.get("partial_rotary_factor", merged.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * partial) if partial < 1.0 else 0
+    original = int(merged.get("original_max_position_embeddings", max_position))
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position=original,
+        beta_fast=float(merged.get("beta_fast", 32.0)),
+        beta_slow=float(merged.get("beta_slow", 1.0)),
+        mscale=float(merged.get("mscale", 1.0)),
+        mscale_all_dim=float(merged.get("mscale_all_dim", 0.0)),
+        attention_factor=(
+            float(merged["attention_factor"]) if merged.get("attention_factor") else None
+        ),
+        rotary_dim=rotary_dim,
+    )
+
+
+def load_model_config(model_dir: Path | str) -> ModelConfig:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory not found: {model_dir}")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"missing config.json in {model_dir}")
+    raw = json.loads(path.read_text())
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHS), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"unsupported architecture {archs or raw.get('model_type')!r} in {path.name} "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
+    if raw.get("use_sliding_window") or (
+        arch == "MistralForCausalLM" and raw.get("sliding_window")
+    ):
+        raise ModelLoadError("sliding-window attention is not supported; set sliding_window null")
+    default_bias, qk_norm = SUPPORTED_ARCHS[arch]
+    try:
+        hidden = int(raw["hidden_size"])
+        num_q_heads = int(raw["num_attention_heads"])
+        head_dim = int(raw.get("head_dim") or hidden // num_q_heads)
+        max_position = int(raw.get("max_position_embeddings", 4096))
+        gen_path = model_dir / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        eos = _ids(gen.get("eos_token_id")) or _ids(raw.get("eos_token_id"))
+        return ModelConfig(
+            arch=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_q_heads=num_q_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_q_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position=max_position,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bool(raw.get("attention_bias", default_bias)) or default_bias,
+            qk_norm=qk_norm,
+            rope=_rope_config(raw, max_position, head_dim),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            eos_token_ids=eos,
+            bos_token_id=raw.get("bos_token_id"),
+        )
+    except KeyError as e:
+        raise ModelLoadError(
+            f"config.json in {model_dir} lacks required field {e.args[0]!r}"
+        ) from e

@@ -1,0 +1,68 @@
+"""The model's device operations behind one switch: Triton kernels on a GPU, pure torch elsewhere.
+
+The torch versions are the references of `kernels/` (same signatures and layouts); the model
+never branches on the device itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OpSet:
+    rms_norm: object
+    head_rms_norm: object
+    silu_and_mul: object
+    rope_and_write_kv: object
+    verify_attention: object
+    argmax_rows: object
+
+
+def _load(name: str, attr: str):
+    return getattr(importlib.import_module(f"kernels.{name}"), attr)
+
+
+def reference_ops() -> OpSet:
+    from executor import torch_ops as t
+
+    return OpSet(
+        rms_norm=t.rms_norm,
+        head_rms_norm=t.head_rms_norm,
+        silu_and_mul=t.silu_and_mul,
+        rope_and_write_kv=t.rope_and_write_kv,
+        verify_attention=t.verify_attention,
+        argmax_rows=lambda logits: logits.argmax(dim=-1),
+    )
+
+
+def triton_ops() -> OpSet:
+    return OpSet(
+        rms_norm=_load("norms", "rms_norm"),
+        head_rms_norm=_load("norms", "head_rms_norm"),
+        silu_and_mul=_load("norms", "silu_and_mul"),
+        rope_and_write_kv=_load("rope_kv", "rope_and_write_kv"),
+        verify_attention=_load("attention", "verify_attention"),
+        argmax_rows=_load("argmax", "argmax_rows"),
+    )
+
+
+def select_ops(device: torch.device, backend: str = "auto") -> OpSet:
+    """backend: 'auto' (Triton on CUDA/ROCm when available), 'triton' or 'torch'."""
+    if backend == "torch":
+        return reference_ops()
+    if backend == "triton" or device.type == "cuda":
+        try:
+            from kernels.arch import kernels_available
+
+            if kernels_available(device):
+                return triton_ops()
+        except ImportError:
+            if backend == "triton":
+                raise
+        if backend == "triton":
+            raise RuntimeError(f"Triton kernels are not available on {device}")
+    return reference_ops()
