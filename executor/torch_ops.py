@@ -39,8 +39,9 @@ def _rotate(x, cos, sin, rot_dim):
     return torch.cat([out, x[..., rot_dim:]], dim=-1)
 
 
-def rope_and_write_kv(q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, *,
-                      is_neox=True):
+def rope_and_write_kv(
+    q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, *, is_neox=True
+):
     """In place: rotates q [n, hq, d] and k [n, hkv, d] at `positions` [n]; stores k, v at
     `slot_mapping` [n] (block * block_size + offset; < 0 skipped)."""
     if not is_neox:

@@ -1,0 +1,1 @@
+"""Drafters: ngram (prompt lookup), draft-model (small model, chain), synthetic (benchmarks)."""
