@@ -1,0 +1,210 @@
+"""Per-architecture launch settings of the kernels, and the check whether they can run at all.
+
+One table (`FAMILY_CONFIGS`) holds every tunable: tile sizes, warps, pipelining stages and the
+AMD occupancy hint `waves_per_eu`. Tuning a new GPU means adding or editing one entry here; the
+kernels never branch on the device themselves.
+
+Families:
+- `hopper`: sm90 (H100, H200). Large tiles: wgmma wants 64-row multiples and 4-warp groups.
+- `ampere_ada`: sm80/86/89. mma.sync tiles, smaller shared memory on the consumer parts.
+- `cdna3`: gfx94x (MI300). wave64, 64 KB LDS per CU, MFMA.
+- `rdna3`: gfx110x and gfx115x (incl. gfx1151 Strix Halo). wave32 with WMMA, 64 KB LDS.
+- `rdna4`: gfx120x (incl. gfx1201, Radeon AI PRO R9700). wave32 with WMMA, 64 KB LDS.
+- `default`: anything else (gfx103x has no WMMA, unknown NVIDIA parts, the CPU interpreter):
+  small tiles that fit everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Verify-attention tiling. A tile is (rows of one sequence) x (GQA group) query vectors."""
+
+    block_n: int  # KV tokens per inner step
+    max_block_m: int  # cap on rows_per_tile * group_pad (query vectors per program)
+    num_warps: int  # for tiles of up to 64 query vectors
+    num_warps_large: int  # for tiles of more than 64 query vectors
+    num_stages: int
+    waves_per_eu: int  # AMD only: occupancy hint, 0 leaves it to the compiler
+    min_split_len: int  # fewest KV tokens worth a split of their own
+    max_splits: int
+    programs_per_sm: int  # the split path aims for this many programs per SM / CU
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    family: str
+    warp_size: int
+    lds_bytes: int  # shared memory (LDS) per block we plan for
+    attention: AttentionTiles
+    row_warps: int  # norms, RoPE, accept: one program per row
+    vocab_chunk: int  # vocabulary entries per program of argmax / top-k
+    waves_per_eu: int  # AMD occupancy hint for the row kernels, 0: compiler default
+
+
+FAMILY_CONFIGS: dict[str, ArchConfig] = {
+    "hopper": ArchConfig(
+        family="hopper",
+        warp_size=32,
+        lds_bytes=227 * 1024,
+        attention=AttentionTiles(
+            block_n=64, max_block_m=128, num_warps=4, num_warps_large=8, num_stages=3,
+            waves_per_eu=0, min_split_len=512, max_splits=32, programs_per_sm=4,
+        ),
+        row_warps=8,
+        vocab_chunk=4096,
+        waves_per_eu=0,
+    ),
+    "ampere_ada": ArchConfig(
+        family="ampere_ada",
+        warp_size=32,
+        lds_bytes=99 * 1024,
+        attention=AttentionTiles(
+            block_n=64, max_block_m=128, num_warps=4, num_warps_large=8, num_stages=2,
+            waves_per_eu=0, min_split_len=512, max_splits=32, programs_per_sm=4,
+        ),
+        row_warps=8,
+        vocab_chunk=4096,
+        waves_per_eu=0,
+    ),
+    "cdna3": ArchConfig(
+        family="cdna3",
+        warp_size=64,
+        lds_bytes=64 * 1024,
+        attention=AttentionTiles(
+            block_n=64, max_block_m=128, num_warps=4, num_warps_large=8, num_stages=1,
+            waves_per_eu=2, min_split_len=512, max_splits=32, programs_per_sm=4,
+        ),
+        row_warps=8,
+        vocab_chunk=4096,
+        waves_per_eu=0,
+    ),
+    "rdna3": ArchConfig(
+        family="rdna3",
+        warp_size=32,
+        lds_bytes=64 * 1024,
+        attention=AttentionTiles(
+            block_n=32, max_block_m=64, num_warps=4, num_warps_large=4, num_stages=1,
+            waves_per_eu=2, min_split_len=256, max_splits=16, programs_per_sm=4,
+        ),
+        row_warps=4,
+        vocab_chunk=2048,
+        waves_per_eu=0,
+    ),
+    "rdna4": ArchConfig(
+        family="rdna4",
+        warp_size=32,
+        lds_bytes=64 * 1024,
+        attention=AttentionTiles(
+            block_n=32, max_block_m=64, num_warps=4, num_warps_large=4, num_stages=1,
+            waves_per_eu=2, min_split_len=256, max_splits=16, programs_per_sm=4,
+        ),
+        row_warps=4,
+        vocab_chunk=2048,
+        waves_per_eu=0,
+    ),
+    "default": ArchConfig(
+        family="default",
+        warp_size=32,
+        lds_bytes=48 * 1024,
+        attention=AttentionTiles(
+            block_n=32, max_block_m=64, num_warps=4, num_warps_large=4, num_stages=1,
+            waves_per_eu=0, min_split_len=256, max_splits=16, programs_per_sm=2,
+        ),
+        row_warps=4,
+        vocab_chunk=2048,
+        waves_per_eu=0,
+    ),
+}
+
+# gfx11 and gfx12 have WMMA; gfx103x (RDNA2) does not and must not be taken for RDNA3.
+_RDNA3 = re.compile(r"^gfx11(0[0-3]|5[01])$")
+_RDNA4 = re.compile(r"^gfx120[01]$")
+_CDNA3 = re.compile(r"^gfx94[0-2]$|^gfx950$")
+
+
+def family_of_amd_arch(gcn_arch: str) -> str:
+    """Maps a gcnArchName such as 'gfx1151' or 'gfx942:sramecc+:xnack-' to a family."""
+    name = gcn_arch.split(":")[0].strip().lower()
+    if _CDNA3.match(name):
+        return "cdna3"
+    if _RDNA3.match(name):
+        return "rdna3"
+    if _RDNA4.match(name):
+        return "rdna4"
+    return "default"
+
+
+def family_of_cuda_capability(major: int, minor: int) -> str:
+    if major == 9 and minor == 0:
+        return "hopper"
+    if major == 8:
+        return "ampere_ada"
+    return "default"
+
+
+def is_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def is_hip() -> bool:
+    return torch.version.hip is not None
+
+
+@functools.lru_cache(maxsize=16)
+def _config_for(device_type: str, index: int) -> tuple[ArchConfig, int]:
+    if device_type != "cuda":
+        return FAMILY_CONFIGS["default"], 4
+    props = torch.cuda.get_device_properties(index)
+    if is_hip():
+        family = family_of_amd_arch(getattr(props, "gcnArchName", ""))
+    else:
+        family = family_of_cuda_capability(props.major, props.minor)
+    return FAMILY_CONFIGS[family], props.multi_processor_count
+
+
+def arch_config(device: torch.device) -> ArchConfig:
+    """The table entry for `device` (the `default` entry for the CPU interpreter)."""
+    index = device.index if device.index is not None else 0
+    if device.type == "cuda" and device.index is None:
+        index = torch.cuda.current_device()
+    return _config_for(device.type, index)[0]
+
+
+def num_compute_units(device: torch.device) -> int:
+    """SMs (NVIDIA) or CUs (AMD); a small fixed number on the CPU interpreter."""
+    index = device.index if device.index is not None else 0
+    if device.type == "cuda" and device.index is None:
+        index = torch.cuda.current_device()
+    return _config_for(device.type, index)[1]
+
+
+def launch_options(device: torch.device, waves_per_eu: int) -> dict:
+    """Extra launch keywords: `waves_per_eu` exists only for the AMD backend."""
+    if device.type == "cuda" and is_hip() and waves_per_eu > 0:
+        return {"waves_per_eu": waves_per_eu}
+    return {}
+
+
+def kernels_available(device: torch.device | str) -> bool:
+    """True where the Triton kernels run natively: a CUDA or ROCm device with Triton installed.
+
+    The CPU (with or without TRITON_INTERPRET) answers False: the executor takes the pure-torch
+    references there, the interpreter being for tests only.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,384 @@
+"""Verify attention: ragged query rows against a paged KV cache, each KV tile read once per tile.
+
+Layouts (one layer):
+    q           [num_rows, num_q_heads, head_dim]    new rows of all sequences, back to back
+    k/v_cache   [num_blocks, block_size, num_kv_heads, head_dim]
+    cu_q_lens   [num_seqs + 1] int32                 rows of sequence s: cu_q_lens[s]..[s+1]-1
+    seq_lens    [num_seqs] int32                     KV length incl. the new rows (already cached)
+    block_tables[num_seqs, max_blocks] int32         cache block of each block_size-token page
+Row j of sequence s sits at position seq_lens[s] - q_len_s + j and attends to positions <= its own.
+
+Why a tile holds rows x GQA group: a decode step (1 row) or a speculative verify (depth rows) of
+one sequence shares the whole KV prefix. A program that holds all of a sequence's rows, times the
+q heads sharing one KV head, reads each KV tile once and feeds a real matrix product, instead of
+one program per row re-reading the same KV `depth` times. Prefill chunks are cut into tiles of
+`rows_per_tile` rows. Query vector m of a tile is (row m // group_pad, head m % group_pad).
+
+Grid (fixed by shapes, so graph capture is safe): axis 0 = tiles. Tiles of sequence s are
+numbered from `cu_q_lens[s] // rows_per_tile + s`, which bounds the total by
+`cdiv(num_rows, rows_per_tile) + num_seqs` without reading lengths on the host; a program finds
+its sequence by counting tile starts <= its id, and exits when its tile is past the sequence.
+Tile ids past the last sequence zero the rows after `cu_q_lens[-1]` (graph padding), so every
+element of `out` is written. Axis 1 = KV heads, axis 2 = KV splits.
+
+Split-KV: when few tiles would leave SMs idle (batch 1, long context), axis 2 cuts each tile's
+KV range into `num_splits` pieces; each writes its normalised partial output and log2-sum-exp,
+and `_merge_splits_kernel` combines them (online-softmax merge).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.arch import arch_config, launch_options, num_compute_units
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, start, kv_hi, q_pos,
+    k_ptr, v_ptr, bt_row_ptr, kv_head_off_k, kv_head_off_v,
+    stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, scale_log2,
+    offs_d, d_mask,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] KV positions
+    if MASKED:
+        n_valid = offs_n < kv_hi
+        page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE).to(tl.int64)
+    tok = offs_n % PAGE_SIZE
+    k_off = page[:, None] * stride_k_blk + tok[:, None] * stride_k_tok + offs_d[None, :]
+    v_off = page[:, None] * stride_v_blk + tok[:, None] * stride_v_tok + offs_d[None, :]
+    if MASKED:
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + kv_head_off_k + k_off, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptr + kv_head_off_v + v_off, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+    else:
+        k = tl.load(k_ptr + kv_head_off_k + k_off, mask=d_mask[None, :], other=0.0)
+        v = tl.load(v_ptr + kv_head_off_v + v_off, mask=d_mask[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A query vector that sees no key in this tile keeps m = -inf; shifting by 0 keeps exp2 at 0.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _verify_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    cu_q_lens_ptr, seq_lens_ptr, block_tables_ptr,
+    num_seqs, num_rows, scale_log2,
+    stride_q_row, stride_q_head,
+    stride_k_blk, stride_k_tok, stride_k_head,
+    stride_v_blk, stride_v_tok, stride_v_head,
+    stride_o_row, stride_o_head,
+    stride_bt_seq,
+    stride_p_split, stride_p_row, stride_p_head,
+    stride_l_split, stride_l_row,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, SEQS_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Which sequence owns this tile: count tile starts <= tile_id (sentinel s = num_seqs: padding).
+    offs_s = tl.arange(0, SEQS_PAD)
+    cu = tl.load(cu_q_lens_ptr + offs_s, mask=offs_s <= num_seqs, other=0)
+    tile_start = cu // ROWS_TILE + offs_s
+    is_before = (tile_start <= tile_id) & (offs_s <= num_seqs)
+    seq = tl.sum(is_before.to(tl.int32), 0) - 1
+    q_start = tl.load(cu_q_lens_ptr + seq)
+    first_tile = q_start // ROWS_TILE + seq
+    local_tile = tile_id - first_tile
+
+    offs_m = tl.arange(0, BLOCK_M)
+    m_row = offs_m // GROUP_PAD  # [BLOCK_M] row inside the tile
+    m_head = kv_head * GROUP + offs_m % GROUP_PAD  # [BLOCK_M] q head
+    head_ok = (offs_m % GROUP_PAD < GROUP) & (m_row < ROWS_TILE)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+
+    if seq == num_seqs:
+        # Rows after the last sequence (graph padding): written as zeros, once (split 0).
+        if split == 0:
+            pad_row = q_start + local_tile * ROWS_TILE + m_row  # [BLOCK_M]
+            pad_ok = head_ok & (pad_row < num_rows)
+            o_ptrs = out_ptr + pad_row[:, None].to(tl.int64) * stride_o_row
+            o_ptrs += m_head[:, None] * stride_o_head + offs_d[None, :]
+            zeros = tl.zeros([BLOCK_M, D_PAD], dtype=out_ptr.dtype.element_ty)
+            tl.store(o_ptrs, zeros, mask=pad_ok[:, None] & d_mask[None, :])
+    else:
+        q_len = tl.load(cu_q_lens_ptr + seq + 1) - q_start
+        row0 = local_tile * ROWS_TILE
+        if row0 < q_len:
+            ctx_len = tl.load(seq_lens_ptr + seq) - q_len  # KV tokens before the first new row
+            m_ok = head_ok & (row0 + m_row < q_len)
+            q_row = (q_start + row0 + m_row).to(tl.int64)  # [BLOCK_M]
+            q_ptrs = q_ptr + q_row[:, None] * stride_q_row + m_head[:, None] * stride_q_head
+            q = tl.load(q_ptrs + offs_d[None, :], mask=m_ok[:, None] & d_mask[None, :], other=0.0)
+            q_pos = ctx_len + row0 + m_row  # [BLOCK_M] position of each query vector
+
+            kv_end = ctx_len + tl.minimum(row0 + ROWS_TILE, q_len)  # last row's position + 1
+            if NUM_SPLITS == 1:
+                kv_lo = 0
+                kv_hi = kv_end
+            else:
+                split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+                kv_lo = tl.minimum(split * split_len, kv_end)
+                kv_hi = tl.minimum(kv_lo + split_len, kv_end)
+            # Keys before the tile's first row are visible to every row: no mask needed there.
+            full_hi = tl.minimum(kv_hi, ctx_len + row0 + 1)
+            num_full = tl.maximum(full_hi - kv_lo, 0) // BLOCK_N
+            masked_lo = kv_lo + num_full * BLOCK_N
+
+            acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+            k_head_off = kv_head.to(tl.int64) * stride_k_head
+            v_head_off = kv_head.to(tl.int64) * stride_v_head
+            for start in range(kv_lo, masked_lo, BLOCK_N):
+                acc, m_i, l_i = _attend_tile(
+                    q, acc, m_i, l_i, start, kv_hi, q_pos, k_ptr, v_ptr, bt_row_ptr,
+                    k_head_off, v_head_off, stride_k_blk, stride_k_tok, stride_v_blk,
+                    stride_v_tok, scale_log2, offs_d, d_mask, BLOCK_N, PAGE_SIZE, False,
+                    DOT_PRECISION,
+                )
+            for start in range(masked_lo, kv_hi, BLOCK_N):
+                acc, m_i, l_i = _attend_tile(
+                    q, acc, m_i, l_i, start, kv_hi, q_pos, k_ptr, v_ptr, bt_row_ptr,
+                    k_head_off, v_head_off, stride_k_blk, stride_k_tok, stride_v_blk,
+                    stride_v_tok, scale_log2, offs_d, d_mask, BLOCK_N, PAGE_SIZE, True,
+                    DOT_PRECISION,
+                )
+
+            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+            result = acc / l_safe[:, None]  # [BLOCK_M, D_PAD]
+            st_mask = m_ok[:, None] & d_mask[None, :]
+            if NUM_SPLITS == 1:
+                o_ptrs = out_ptr + q_row[:, None] * stride_o_row + m_head[:, None] * stride_o_head
+                tl.store(o_ptrs + offs_d[None, :], result.to(out_ptr.dtype.element_ty), st_mask)
+            else:
+                lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
+                p_ptrs = part_out_ptr + split * stride_p_split + q_row[:, None] * stride_p_row
+                p_ptrs += m_head[:, None] * stride_p_head + offs_d[None, :]
+                tl.store(p_ptrs, result, st_mask)
+                l_ptrs = part_lse_ptr + split * stride_l_split + q_row * stride_l_row + m_head
+                tl.store(l_ptrs, lse, m_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, cu_q_lens_ptr, num_seqs,
+    stride_p_split, stride_p_row, stride_p_head,
+    stride_l_split, stride_l_row,
+    stride_o_row, stride_o_head,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    if row < tl.load(cu_q_lens_ptr + num_seqs):  # rows after the last sequence are zeroed already
+        offs_s = tl.arange(0, SPLITS_PAD)
+        s_mask = offs_s < NUM_SPLITS
+        offs_d = tl.arange(0, D_PAD)
+        d_mask = offs_d < HEAD_DIM
+        row64 = row.to(tl.int64)
+        lse = tl.load(
+            part_lse_ptr + offs_s * stride_l_split + row64 * stride_l_row + head,
+            mask=s_mask, other=float("-inf"),
+        )  # [SPLITS_PAD]
+        lse_max = tl.max(lse, 0)
+        lse_shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        weight = tl.exp2(lse - lse_shift)  # [SPLITS_PAD], 0 for empty splits
+        part = tl.load(
+            part_out_ptr + offs_s[:, None] * stride_p_split + row64 * stride_p_row
+            + head * stride_p_head + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+        )  # [SPLITS_PAD, D_PAD]
+        total = tl.sum(weight, 0)
+        merged = tl.sum(part * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+        o_ptrs = out_ptr + row64 * stride_o_row + head * stride_o_head + offs_d
+        tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def choose_num_splits(
+    device: torch.device, num_tiles: int, num_kv_heads: int, max_kv_len: int
+) -> int:
+    """Splits so that tiles x heads x splits fills the GPU, from shapes only (no host sync).
+
+    `max_kv_len` is the block table's capacity, an upper bound of every sequence's length.
+    """
+    tiles = arch_config(device).attention
+    programs = max(1, num_tiles * num_kv_heads)
+    want = math.ceil(tiles.programs_per_sm * num_compute_units(device) / programs)
+    worth = max(1, max_kv_len // tiles.min_split_len)
+    return max(1, min(want, worth, tiles.max_splits))
+
+
+def verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    max_q_len: int | None = None,
+    rows_per_tile: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of ragged new rows over the paged cache; returns out [num_rows, Hq, D].
+
+    max_q_len: host-side bound on rows per sequence (e.g. the spec depth of a decode round); it
+        only sizes the tile and never changes results. None assumes up to num_rows.
+    rows_per_tile: force rows per program (1 gives the per-row baseline that re-reads KV).
+    num_splits: KV splits per tile; None picks from the shapes and the GPU size.
+    """
+    num_rows, num_q_heads, head_dim = q.shape  # [num_rows, Hq, D]
+    num_blocks, page_size, num_kv_heads, head_dim_k = k_cache.shape  # [blocks, bs, Hkv, D]
+    num_seqs = seq_lens.shape[0]
+    assert k_cache.shape == v_cache.shape, "k_cache and v_cache must have one shape"
+    assert head_dim_k == head_dim, f"head_dim {head_dim} != cache head_dim {head_dim_k}"
+    assert num_q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache must share a dtype"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"dtype {q.dtype}"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert cu_q_lens.shape == (num_seqs + 1,) and cu_q_lens.dtype == torch.int32
+    assert seq_lens.dtype == torch.int32
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    assert cu_q_lens.is_contiguous() and seq_lens.is_contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    if num_rows == 0:
+        return out
+
+    cfg = arch_config(q.device)
+    tiles = cfg.attention
+    group = num_q_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    d_pad = _next_pow2(head_dim)
+    if rows_per_tile is None:
+        rows_cap = max(1, tiles.max_block_m // group_pad)
+        rows_per_tile = min(_next_pow2(max_q_len or num_rows), _next_pow2(rows_cap))
+        rows_per_tile = max(rows_per_tile, max(1, 16 // group_pad))  # the dot needs M >= 16
+    assert rows_per_tile >= 1
+    block_m = max(16, _next_pow2(rows_per_tile * group_pad))
+    num_tiles = triton.cdiv(num_rows, rows_per_tile) + num_seqs
+    if num_splits is None:
+        est_tiles = triton.cdiv(num_rows, rows_per_tile)
+        max_kv_len = block_tables.shape[1] * page_size
+        num_splits = choose_num_splits(q.device, est_tiles, num_kv_heads, max_kv_len)
+    assert num_splits >= 1
+
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_splits, num_rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device
+        )  # [splits, num_rows, Hq, D]
+        part_lse = torch.empty(
+            (num_splits, num_rows, num_q_heads), dtype=torch.float32, device=q.device
+        )  # [splits, num_rows, Hq]
+    else:
+        part_out = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
+        part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
+
+    num_warps = tiles.num_warps if block_m <= 64 else tiles.num_warps_large
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (num_tiles, num_kv_heads, num_splits)
+    _verify_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_out, part_lse,
+        cu_q_lens, seq_lens, block_tables,
+        num_seqs, num_rows, scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, ROWS_TILE=rows_per_tile,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim, D_PAD=d_pad,
+        PAGE_SIZE=page_size, NUM_SPLITS=num_splits, SEQS_PAD=_next_pow2(num_seqs + 1),
+        DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=tiles.num_stages,
+        **launch_options(q.device, tiles.waves_per_eu),
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_rows, num_q_heads)](
+            part_out, part_lse, out, cu_q_lens, num_seqs,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits),
+            num_warps=4 if d_pad >= 128 else 2,
+        )
+    return out
+
+
+def verify_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    max_q_len: int | None = None,
+    rows_per_tile: int | None = None,
+) -> torch.Tensor:
+    """Pure torch, any device (the CPU path); fp32 math. Tiling arguments are accepted and
+    ignored. Rows after cu_q_lens[-1] are zeroed, as the kernel does. Reads lengths on the host."""
+    del num_splits, max_q_len, rows_per_tile
+    num_rows, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    cu = cu_q_lens.tolist()
+    lens = seq_lens.tolist()
+    out[cu[-1] :].zero_()
+    for seq, (q_start, q_end) in enumerate(zip(cu[:-1], cu[1:])):
+        q_len, kv_len = q_end - q_start, lens[seq]
+        if q_len == 0:
+            continue
+        pages = block_tables[seq, : triton.cdiv(kv_len, page_size)].long()
+        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()  # [L, Hkv, D]
+        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()  # [L, Hkv, D]
+        k = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        qs = q[q_start:q_end].float()  # [q_len, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale  # [Hq, q_len, L]
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        k_pos = torch.arange(kv_len, device=q.device)
+        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
