@@ -1,0 +1,436 @@
+"""The engine: one synchronous loop that connects scheduler and executor.
+
+`step()` runs one round (plan -> execute -> update) and turns what the round emitted into
+per-request deltas with stop-string-safe incremental text. The engine is not thread-safe: the
+server drives it from one thread, the offline `LLM` API from the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import torch
+from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
+
+from executor.drafters.base import Drafter
+from executor.kv_cache import KVCache, auto_kv_budget, parse_bytes
+from executor.loader import load_model
+from executor.model import Model
+from executor.round_executor import RoundExecutor
+from hipfire_serve.config import EngineConfig
+from hipfire_serve.tokenizer import OutputStream, Tokenizer
+from hipfire_serve.types import CompletionOutput, RequestOutput, SamplingParams
+from scheduler.kv_blocks import num_blocks_for
+from scheduler.plan import PhaseTimes, ReqResult, RoundPlan, RoundResult
+from scheduler.request import RequestDelta, RequestSpec
+
+log = logging.getLogger("hipfire_serve.engine")
+
+__all__ = ["ContextLengthError", "Engine", "EngineStats", "QueueFullError", "RoundStats"]
+
+
+class ContextLengthError(ValueError):
+    def __init__(self, prompt_len: int, max_tokens: int, max_model_len: int):
+        self.prompt_len, self.max_tokens, self.max_model_len = prompt_len, max_tokens, max_model_len
+        super().__init__(
+            f"this model's maximum context length is {max_model_len} tokens; the request has "
+            f"{prompt_len} prompt tokens and max_tokens {max_tokens} ({prompt_len + max_tokens} "
+            f"in total)"
+        )
+
+
+class RoundStats(msgspec.Struct, kw_only=True):
+    route: str
+    num_rows: int
+    num_padded_rows: int
+    num_spec: int
+    num_ar: int
+    num_prefill: int
+    predicted_s: float
+    measured_s: float
+    phase_s: dict[str, float]
+    drafted_per_pos: list[int]
+    accepted_per_pos: list[int]
+    policy_switches: int
+    reason: str
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    slot_capacity: int
+    live_slots: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    rounds: list[RoundStats] = msgspec.field(default_factory=list)
+
+
+@dataclass
+class _Choice:
+    request_id: str
+    index: int
+    stream: OutputStream
+    token_ids: list[int] = field(default_factory=list)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    pending_text: str = ""  # text produced by the stop check of the current update
+    pending_stop: str | None = None
+    finished: bool = False
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choice_ids: list[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA/HIP device is available")
+    return device
+
+
+def resolve_model_dirs(config: EngineConfig) -> tuple[Path, str]:
+    """Returns (target dir, drafter spec: a directory, 'ngram', 'synthetic' or 'none')."""
+    if config.model == "demo":
+        from hipfire_serve.demo import demo_draft_dir, demo_model_dir
+
+        target = demo_model_dir()
+        draft = str(demo_draft_dir()) if config.draft == "auto" else config.draft
+    else:
+        target = Path(config.model)
+        draft = "none" if config.draft == "auto" else config.draft
+    return target, draft
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, tenants: Sequence = ()):
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        target_dir, draft_spec = resolve_model_dirs(config)
+        self.tokenizer = Tokenizer.from_dir(target_dir)
+        self.target: Model = load_model(target_dir, dtype=config.dtype, device=self.device)
+        self.model_name = target_dir.name if config.model != "demo" else "hipfire-demo"
+        limit = config.max_model_len or self.target.config.max_position
+        self.max_model_len = min(limit, self.target.config.max_position)
+
+        draft_model = None
+        if draft_spec not in ("none", "ngram", "synthetic"):
+            draft_model = load_model(
+                draft_spec, dtype=str(self.target.dtype).split(".")[-1], device=self.device
+            )
+            if draft_model.config.vocab_size != self.target.config.vocab_size:
+                raise ValueError(
+                    f"draft model vocabulary ({draft_model.config.vocab_size}) differs from the "
+                    f"target's ({self.target.config.vocab_size})"
+                )
+        budget = (
+            auto_kv_budget(self.device)
+            if config.kv_cache_memory == "auto"
+            else parse_bytes(config.kv_cache_memory)
+        )
+        configs = [self.target.config] + ([draft_model.config] if draft_model else [])
+        num_blocks = KVCache.blocks_for_budget(
+            configs, budget, config.block_size, self.target.dtype
+        )
+        min_blocks = num_blocks_for(self.max_model_len + config.spec_depth, config.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"KV cache budget holds {num_blocks} blocks but one full-length request needs "
+                f"{min_blocks}: raise --kv-cache-memory or lower --max-model-len"
+            )
+        self.num_kv_blocks = num_blocks
+        slots = config.max_concurrency
+        self.drafter: Drafter | None = self._make_drafter(draft_spec, draft_model, num_blocks)
+        self.executor = RoundExecutor(
+            self.target,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_slots=slots,
+            max_model_len=self.max_model_len + config.spec_depth,
+            drafter=self.drafter,
+            base_seed=config.seed,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_concurrency=slots,
+                max_queue=config.max_queue,
+                spec_mode=config.spec_mode if self.drafter is not None else "ar",
+                spec_depth=config.spec_depth,
+                block_size=config.block_size,
+                max_prefill_tokens=config.max_prefill_tokens,
+                max_model_len=self.max_model_len,
+                has_drafter=self.drafter is not None,
+            ),
+            num_kv_blocks=num_blocks,
+            tenants=tenants,
+            stop_checker=self._check_stop_strings,
+        )
+        self._next_id = 0
+        self._requests: dict[str, _Request] = {}
+        self._choices: dict[int, _Choice] = {}
+        self._rounds: list[RoundStats] = []
+
+    # -- set-up helpers ---------------------------------------------------------------------
+    def _make_drafter(self, spec: str, draft_model: Model | None, num_blocks: int):
+        if spec == "none":
+            return None
+        if spec == "ngram":
+            from executor.drafters.ngram import NgramDrafter
+
+            return NgramDrafter()
+        if spec == "synthetic":
+            from executor.drafters.synthetic import SyntheticDrafter
+
+            path, _, cohort = self.config.acceptance_profile.rpartition(":")
+            return SyntheticDrafter(path, cohort, seed=self.config.seed)
+        from executor.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter(
+            draft_model,
+            num_blocks=num_blocks,
+            block_size=self.config.block_size,
+            max_slots=self.config.max_concurrency,
+            max_model_len=self.max_model_len + self.config.spec_depth,
+        )
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        tenant: str = "default",
+        arrival_time: float | None = None,
+    ) -> None:
+        params.validate()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+            prompt_text: str | None = prompt
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            prompt_text = None
+            vocab = self.target.config.vocab_size
+            bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(len(prompt_ids), params.max_tokens, self.max_model_len)
+        eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        choice_ids = []
+        specs = []
+        for index in range(params.n):
+            req_id = self._next_id
+            self._next_id += 1
+            seed = None if params.seed is None else params.seed + index
+            specs.append(
+                RequestSpec(
+                    req_id=req_id,
+                    prompt_token_ids=tuple(prompt_ids),
+                    sampling=params.to_spec(seed),
+                    max_tokens=params.max_tokens,
+                    min_tokens=params.min_tokens,
+                    eos_token_ids=eos,
+                    stop_token_ids=tuple(params.stop_token_ids or ()),
+                    tenant=tenant,
+                    speculation=params.speculation,
+                    arrival_time=now,
+                )
+            )
+            choice_ids.append(req_id)
+        added: list[int] = []
+        try:
+            for spec in specs:
+                self.scheduler.add_request(spec)
+                added.append(spec.req_id)
+        except Exception:
+            for req_id in added:  # n > 1 is all or nothing
+                self.scheduler.abort(req_id)
+            raise
+        for index, req_id in enumerate(choice_ids):
+            self._choices[req_id] = _Choice(
+                request_id=request_id,
+                index=index,
+                stream=OutputStream(
+                    self.tokenizer,
+                    prompt_ids,
+                    stop_strings=params.stop_strings,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    skip_special_tokens=params.skip_special_tokens,
+                ),
+            )
+        self._requests[request_id] = _Request(
+            request_id, prompt_text, prompt_ids, params, choice_ids
+        )
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        for req_id in req.choice_ids:
+            if not self._choices[req_id].finished:
+                self.scheduler.abort(req_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or self.scheduler.has_work()
+
+    # -- the round ------------------------------------------------------------------------------
+    def _check_stop_strings(self, req_id: int, new_ids: Sequence[int]):
+        choice = self._choices.get(req_id)
+        if choice is None:
+            return None
+        step = choice.stream.push(list(new_ids))
+        choice.pending_text += step.text
+        if step.stop is not None:
+            choice.pending_stop = step.stop
+            return step.num_kept_ids, step.stop
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.plan(time.monotonic())
+        if not (plan.reqs or plan.setup or plan.release):
+            return self._collect([])
+        try:
+            result = self.executor.run(plan)
+        except Exception:
+            log.exception("round %d failed; failing its %d requests", plan.round_id, len(plan.reqs))
+            return self._fail_round(plan)
+        deltas = self.scheduler.update(result, time.monotonic())
+        self._record_round(plan, result)
+        return self._collect(deltas)
+
+    def _fail_round(self, plan: RoundPlan) -> list[RequestOutput]:
+        empty = RoundResult(
+            round_id=plan.round_id,
+            reqs=tuple(ReqResult(req_id=r.req_id, token_ids=()) for r in plan.reqs),
+            timings=PhaseTimes(),
+            num_rows=0,
+            num_padded_rows=0,
+            num_kv_tokens=0,
+        )
+        self.scheduler.update(empty, time.monotonic())
+        deltas = []
+        for r in plan.reqs:
+            self.scheduler.abort(r.req_id)
+            deltas.append(RequestDelta(req_id=r.req_id, token_ids=(), finish_reason="error"))
+        return self._collect(deltas)
+
+    def _record_round(self, plan: RoundPlan, result: RoundResult) -> None:
+        depth = max((r.num_draft for r in plan.reqs), default=0)
+        drafted = [0] * depth
+        accepted = [0] * depth
+        for rr in result.reqs:
+            for pos in range(rr.num_drafted):
+                drafted[pos] += 1
+                if pos < rr.num_accepted:
+                    accepted[pos] += 1
+        t = result.timings
+        info = self.scheduler.last_round_info()
+        self._rounds.append(
+            RoundStats(
+                route=plan.route,
+                num_rows=result.num_rows,
+                num_padded_rows=result.num_padded_rows,
+                num_spec=plan.route.count("S"),
+                num_ar=plan.route.count("A"),
+                num_prefill=plan.route.count("P"),
+                predicted_s=plan.predicted_ms / 1e3,
+                measured_s=t.total_ms / 1e3,
+                phase_s={
+                    "build": t.build_ms / 1e3,
+                    "draft": t.draft_ms / 1e3,
+                    "forward": t.forward_ms / 1e3,
+                    "accept": t.accept_ms / 1e3,
+                    "commit": t.commit_ms / 1e3,
+                },
+                drafted_per_pos=drafted,
+                accepted_per_pos=accepted,
+                policy_switches=int(info.get("policy_switches", 0)),
+                reason=plan.reason,
+            )
+        )
+        if len(self._rounds) > 4096:  # nobody drained the stats: keep memory bounded
+            del self._rounds[:2048]
+
+    def _collect(self, deltas: list[RequestDelta]) -> list[RequestOutput]:
+        by_request: dict[str, list[CompletionOutput]] = {}
+        for d in deltas:
+            choice = self._choices.get(d.req_id)
+            if choice is None:
+                continue
+            if choice.pending_stop is None and d.token_ids and not choice.pending_text:
+                # the stop check did not run for these tokens (no stop strings): decode now
+                choice.pending_text = choice.stream.push(list(d.token_ids)).text
+            text = choice.pending_text
+            choice.pending_text = ""
+            choice.token_ids += d.token_ids
+            choice.num_drafted += d.num_drafted
+            choice.num_accepted += d.num_accepted
+            stop_reason = d.stop_reason
+            if d.finish_reason is not None:
+                choice.finished = True
+                if d.finish_reason != "stop" or choice.pending_stop is None:
+                    text += choice.stream.finish().text
+            out = CompletionOutput(
+                index=choice.index,
+                text=text,
+                token_ids=list(d.token_ids),
+                logprobs=list(d.logprobs) if d.logprobs is not None else None,
+                finish_reason=d.finish_reason,
+                stop_reason=stop_reason,
+                num_draft_tokens=choice.num_drafted,
+                num_accepted_tokens=choice.num_accepted,
+            )
+            by_request.setdefault(choice.request_id, []).append(out)
+        outputs = []
+        for request_id, outs in by_request.items():
+            req = self._requests[request_id]
+            finished = all(self._choices[c].finished for c in req.choice_ids)
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    prompt=req.prompt,
+                    prompt_token_ids=req.prompt_token_ids,
+                    outputs=outs,
+                    finished=finished,
+                )
+            )
+            if finished:
+                for c in req.choice_ids:
+                    del self._choices[c]
+                del self._requests[request_id]
+        return outputs
+
+    # -- observability ----------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        rounds, self._rounds = self._rounds, []
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_usage=s.kv_usage,
+            slot_capacity=self.config.max_concurrency,
+            live_slots=s.num_running,
+            num_kv_blocks=self.num_kv_blocks,
+            num_free_kv_blocks=s.num_free_kv_blocks,
+            rounds=rounds,
+        )
