@@ -28,6 +28,7 @@ and `_merge_splits_kernel` combines them (online-softmax merge).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -258,7 +259,7 @@ def verify_attention(
     num_splits: KV splits per tile; None picks from the shapes and the GPU size.
     """
     num_rows, num_q_heads, head_dim = q.shape  # [num_rows, Hq, D]
-    num_blocks, page_size, num_kv_heads, head_dim_k = k_cache.shape  # [blocks, bs, Hkv, D]
+    _, page_size, num_kv_heads, head_dim_k = k_cache.shape  # [blocks, bs, Hkv, D]
     num_seqs = seq_lens.shape[0]
     assert k_cache.shape == v_cache.shape, "k_cache and v_cache must have one shape"
     assert head_dim_k == head_dim, f"head_dim {head_dim} != cache head_dim {head_dim_k}"
@@ -357,7 +358,7 @@ def verify_attention_ref(
     """Pure torch, any device (the CPU path); fp32 math. Tiling arguments are accepted and
     ignored. Rows after cu_q_lens[-1] are zeroed, as the kernel does. Reads lengths on the host."""
     del num_splits, max_q_len, rows_per_tile
-    num_rows, num_q_heads, head_dim = q.shape
+    _, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     if out is None:
@@ -365,7 +366,7 @@ def verify_attention_ref(
     cu = cu_q_lens.tolist()
     lens = seq_lens.tolist()
     out[cu[-1] :].zero_()
-    for seq, (q_start, q_end) in enumerate(zip(cu[:-1], cu[1:])):
+    for seq, (q_start, q_end) in enumerate(itertools.pairwise(cu)):
         q_len, kv_len = q_end - q_start, lens[seq]
         if q_len == 0:
             continue
