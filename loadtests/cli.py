@@ -1,0 +1,252 @@
+"""`hipfire-loadgen`: refill / poisson / sweep load runs against an OpenAI-compatible server, and
+`compare` of their reports.
+
+  hipfire-loadgen refill --concurrency 1,2,4,8 --waves 4 --cohort code --max-tokens 128
+  hipfire-loadgen poisson --rate 4 --num-requests 200 --burstiness 0.5 --slo ttft:500,tpot:50
+  hipfire-loadgen sweep --rates 1,2,4,8 --num-requests 100
+  hipfire-loadgen compare adaptive/refill.json ar/refill.json spec/refill.json
+
+Every run writes LABEL.json (the full report), LABEL.csv (one row per run), LABEL-requests.csv
+(one row per request) and LABEL-{throughput,latency,timeline}.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtests import plots, results
+from loadtests.client import ClientConfig, detect_model
+from loadtests.compare import compare_table
+from loadtests.progress import Progress
+from loadtests.prompts import COHORTS, load_cohort, load_prompts_file
+from loadtests.runners import parse_tenants, plan_requests, run_poisson, run_refill
+from loadtests.server_metrics import metrics_url, scrape, summarize_delta
+from loadtests.stats import parse_slo
+from loadtests.table import runs_table
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4, got {text!r}")
+    return values
+
+
+def _rate_list(text: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive rates like 1,2.5,inf, got {text!r}")
+    return values
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="API root (…/v1)")
+    g.add_argument("--model", default="", help="model name; default: the first of GET /models")
+    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    g.add_argument("--api-key", action="append", default=[], metavar="[NAME=]KEY",
+                   help="repeat for several tenants; requests take the keys in turn")  # fmt: skip
+    g.add_argument("--metrics-url", default="",
+                   help="Prometheus endpoint scraped before/after each run; default: the "
+                        "server root's /metrics; 'none' disables")  # fmt: skip
+    g.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout (s)")
+    g = p.add_argument_group("requests")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--cohort", choices=COHORTS, default="mixed", help="shipped prompt cohort")
+    src.add_argument("--prompts", metavar="FILE", help="JSONL prompts (see loadtests/prompts.py)")
+    g.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0, help="prompt order and per-request seeds")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos (for servers that reject it)")  # fmt: skip
+    g.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    g.add_argument("--warmup", type=int, default=0, help="unmeasured requests before each run")
+    g = p.add_argument_group("report")
+    g.add_argument("--slo", default="", help="goodput bounds, e.g. ttft:500,tpot:50 (ms)")
+    g.add_argument("--out", default="loadgen-results", help="output directory")
+    g.add_argument("--label", default="", help="run label; default: MODE-COHORT")
+    g.add_argument("--no-plots", dest="plots", action="store_false")
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hipfire-loadgen",
+        description="Load generator for OpenAI-compatible servers.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("refill", help="closed loop: C slots refilled as requests finish")
+    _common(p)
+    p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8],
+                   help="comma list, one run per value")  # fmt: skip
+    p.add_argument("--waves", type=int, default=4, help="a run is WAVES * C requests")
+    for name, help_ in (("poisson", "open loop at one rate"), ("sweep", "open loop over rates")):
+        p = sub.add_parser(name, help=help_)
+        _common(p)
+        if name == "poisson":
+            p.add_argument("--rate", type=_rate_list, default=[1.0], help="requests/s ('inf')")
+        else:
+            p.add_argument("--rates", dest="rate", type=_rate_list, required=True,
+                           help="comma list of requests/s, one run per value")  # fmt: skip
+        p.add_argument("--num-requests", type=int, default=100)
+        p.add_argument("--burstiness", type=float, default=1.0,
+                       help="gamma shape of the gaps: 1 Poisson, <1 burstier")  # fmt: skip
+        p.add_argument("--max-in-flight", type=int, default=0, help="cap (0: none)")
+    p = sub.add_parser("compare", help="side-by-side ratios of report JSON files")
+    p.add_argument("reports", nargs="+", metavar="REPORT.json")
+    p.add_argument("--plot", default="", help="also write throughput vs concurrency PNG here")
+    sub.add_parser("cohorts", help="list the shipped prompt cohorts")
+    return parser
+
+
+async def _settled_after(http, url, before, num_ok):
+    """Scrape after a run; servers may count a request just after its stream closed, so wait
+    (briefly) until the success counter covers every request the run saw succeed."""
+    after = await scrape(http, url)
+    deadline = time.monotonic() + 3.0
+    while after is not None and before is not None and time.monotonic() < deadline:
+        delta = summarize_delta(before, after)
+        if delta is None or delta["requests_succeeded"] >= num_ok:
+            break
+        await asyncio.sleep(0.1)
+        after = await scrape(http, url)
+    return after
+
+
+async def run_load(args: argparse.Namespace) -> tuple[dict, list]:
+    prompts = load_prompts_file(args.prompts) if args.prompts else load_cohort(args.cohort)
+    tenants = parse_tenants(args.api_key)
+    slo = parse_slo(args.slo) if args.slo else None
+    extra = json.loads(args.extra_body)
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    mode = "refill" if args.command == "refill" else "poisson"
+    murl = "" if args.metrics_url == "none" else (args.metrics_url or metrics_url(args.base_url))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.timeout, connect=30.0)
+    report: dict = {
+        "tool": "hipfire-loadgen",
+        "version": 1,
+        "label": args.label or f"{mode}-{Path(args.prompts).stem if args.prompts else args.cohort}",
+        "mode": mode,
+        "created_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "prompts": args.prompts or args.cohort,
+        "num_prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos,
+        "seed": args.seed,
+        "tenants": [t.name for t in tenants],
+        "slo_ms": {k: v * 1e3 for k, v in slo.items()} if slo else None,
+        "runs": [],
+    }
+    per_run = []
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        model = args.model or await detect_model(http, args.base_url, tenants[0].api_key)
+        report["model"] = model
+        cfg = ClientConfig(
+            base_url=args.base_url, model=model, endpoint=args.endpoint,
+            max_tokens=args.max_tokens, temperature=args.temperature,
+            ignore_eos=args.ignore_eos, extra_body=extra,
+        )  # fmt: skip
+        values = args.concurrency if mode == "refill" else args.rate
+        if mode == "refill":
+            report["waves"] = args.waves
+        else:
+            report["num_requests"] = args.num_requests
+            report["burstiness"] = args.burstiness
+        for value in values:
+            num = args.waves * value if mode == "refill" else args.num_requests
+            requests = plan_requests(prompts, num, tenants, args.seed)
+            if args.warmup:
+                warm = plan_requests(prompts, args.warmup, tenants, args.seed + 10_000_019)
+                warm_c = min(args.warmup, value if mode == "refill" else args.warmup)
+                await run_refill(http, cfg, warm, warm_c, time.perf_counter, lambda r: None)
+            before = await scrape(http, murl) if murl else None
+            title = f"C={value}" if mode == "refill" else f"rate={value:g}"
+            progress = Progress(num, title, enabled=args.progress and sys.stderr.isatty())
+            t0 = time.perf_counter()
+
+            def clock(t0: float = t0) -> float:
+                return time.perf_counter() - t0
+
+            if mode == "refill":
+                records = await run_refill(http, cfg, requests, value, clock, progress.update)
+            else:
+                records = await run_poisson(
+                    http, cfg, requests, value, args.burstiness, args.seed, clock,
+                    progress.update, args.max_in_flight or None,
+                )  # fmt: skip
+            progress.close()
+            num_ok = sum(r.ok for r in records)
+            after = await _settled_after(http, murl, before, num_ok) if murl else None
+            run = results.summarize_run(
+                records, mode=mode,
+                concurrency=value if mode == "refill" else None,
+                rate=None if mode == "refill" or math.isinf(value) else value,
+                slo=slo, server=summarize_delta(before, after),
+            )  # fmt: skip
+            report["runs"].append(run)
+            per_run.append((run, records))
+    return report, per_run
+
+
+def write_outputs(report: dict, per_run: list, out_dir: Path, with_plots: bool) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    label = report["label"]
+    paths = [out_dir / f"{label}.json", out_dir / f"{label}.csv", out_dir / f"{label}-requests.csv"]
+    results.write_json(report, paths[0])
+    results.write_runs_csv(report, paths[1])
+    results.write_requests_csv(per_run, paths[2])
+    if with_plots:
+        paths += plots.write_plots(report, out_dir)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "cohorts":
+        for name in COHORTS:
+            prompts = load_cohort(name)
+            lens = sorted(len(p.prompt) for p in prompts)
+            print(f"{name:<6} {len(prompts)} prompts, {lens[0]}..{lens[-1]} characters")
+        return 0
+    if args.command == "compare":
+        reports = [results.load_report(p) for p in args.reports]
+        print(compare_table(reports))
+        if args.plot:
+            plots.throughput_plot(reports, Path(args.plot))
+            print(f"wrote {args.plot}")
+        return 0
+    try:
+        report, per_run = asyncio.run(run_load(args))
+    except (ValueError, OSError, httpx.HTTPError, RuntimeError) as exc:
+        print(f"hipfire-loadgen: {exc}", file=sys.stderr)
+        return 2
+    print(runs_table(report))
+    for path in write_outputs(report, per_run, Path(args.out), args.plots):
+        print(f"wrote {path}")
+    num_errors = sum(run["num_errors"] for run in report["runs"])
+    if num_errors:
+        for run in report["runs"]:
+            for msg in run["errors"]:
+                print(f"error ({run['num_errors']} in run): {msg}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
