@@ -26,6 +26,7 @@ import torch
 
 from executor.accept import AcceptInputs, accept_batch
 from executor.drafters.base import DraftBatch, Drafter, DraftRequest
+from executor.graphs import DEFAULT_BUCKETS, DecodeGraphs, bucket_for
 from executor.kv_cache import KVCache
 from executor.model import AttnMetadata, Model
 from executor.row_sampler import RowSampler
@@ -62,6 +63,8 @@ class RoundExecutor:
         drafter: Drafter | None = None,
         base_seed: int = 0,
         sync_phases: bool = True,
+        graphs: str = "off",
+        max_graph_rows: int = 512,
     ):
         self.target = target
         self.device = target.device
@@ -82,6 +85,21 @@ class RoundExecutor:
         self.block_tables = np.zeros((max_slots, self.max_blocks_per_seq), dtype=np.int32)
         self.sampler = RowSampler(target.config.vocab_size, self.device, base_seed)
         self.sync_phases = sync_phases and self.device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        if graphs != "off" and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                target,
+                self.kv.k,
+                self.kv.v,
+                max_seqs=max_slots,
+                max_blocks_per_seq=self.max_blocks_per_seq,
+                max_rows=min(max_graph_rows, DEFAULT_BUCKETS[-1]),
+            )
+            if graphs == "startup":
+                for b in DEFAULT_BUCKETS:
+                    if b > self.graphs.max_rows:
+                        break
+                    self.graphs.capture(b)
 
     # -- slot bookkeeping ---------------------------------------------------------------------
     def _apply_setup_release(self, plan: RoundPlan) -> None:
@@ -181,17 +199,11 @@ class RoundExecutor:
             else:
                 logit_rows += range(row0, row0 + r.num_new)
         num_rows = len(input_ids)
-        num_padded = max(plan.row_bucket, num_rows) if plan.row_bucket else num_rows
-        pad = num_padded - num_rows
+        dev = self.device
         pos_np = np.asarray(positions, dtype=np.int64)
         slot_rows = np.repeat(np.asarray([r.slot for r in reqs]), np.diff(cu_q_lens))
         block_ids = self.block_tables[slot_rows, pos_np // self.block_size].astype(np.int64)
         slot_mapping = block_ids * self.block_size + pos_np % self.block_size
-        if pad:
-            input_ids += [0] * pad
-            pos_np = np.concatenate([pos_np, np.zeros(pad, dtype=np.int64)])
-            slot_mapping = np.concatenate([slot_mapping, np.full(pad, -1, dtype=np.int64)])
-        dev = self.device
         max_blocks = -(-max(seq_lens) // self.block_size)
         meta = AttnMetadata(
             positions=torch.from_numpy(pos_np).to(dev, non_blocking=True),
@@ -203,12 +215,31 @@ class RoundExecutor:
             ).to(dev, non_blocking=True),
         )
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        bucket = 0
+        if self.graphs is not None and plan.is_decode_only:
+            bucket = max(plan.row_bucket, bucket_for(num_rows))
+            if bucket > self.graphs.max_rows:
+                bucket = 0
         self._sync()
         t_fwd0 = time.perf_counter()
 
-        # 4. one target forward
-        hidden = self.target.forward(ids_t, meta, self.kv.k, self.kv.v)  # [num_padded, hidden]
-        logits = self.target.logits(hidden[torch.tensor(logit_rows, device=dev)])  # [L, vocab]
+        # 4. one target forward (graph replay for decode rounds)
+        if bucket:
+            logits = self.graphs.run(
+                bucket,
+                ids_t,
+                meta.positions,
+                meta.slot_mapping,
+                meta.cu_q_lens,
+                meta.seq_lens,
+                meta.block_tables,
+            )
+        else:
+            hidden = self.target.forward(ids_t, meta, self.kv.k, self.kv.v)  # [rows, hidden]
+            if len(logit_rows) < num_rows:
+                hidden = hidden[torch.tensor(logit_rows, device=dev)]
+            logits = self.target.logits(hidden)  # [num_logit_rows, vocab]
+        num_padded = bucket or num_rows
         self._sync()
         t_acc0 = time.perf_counter()
 
@@ -268,4 +299,5 @@ class RoundExecutor:
             num_rows=num_rows,
             num_padded_rows=num_padded,
             num_kv_tokens=sum(seq_lens),
+            graph_replayed=bool(bucket),
         )

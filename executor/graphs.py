@@ -1,0 +1,151 @@
+"""CUDA/HIP graphs for decode rounds, one per row bucket.
+
+A decode round (AR rows and spec groups, no prefill) is replayed from a graph captured for its
+padded row count. Inputs live in static buffers; the sequence dimension is always `max_seqs`,
+padded sequences have `q_len = 0` and `seq_len = 0` (the attention kernel's programs for them
+exit at once), padded rows write no KV (slot -1). The graph computes logits for every row of the
+bucket, since every decode row needs them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from executor.model import AttnMetadata, Model
+
+log = logging.getLogger("hipfire_serve.graphs")
+
+DEFAULT_BUCKETS = (
+    1,
+    2,
+    4,
+    8,
+    12,
+    16,
+    24,
+    32,
+    48,
+    64,
+    80,
+    96,
+    112,
+    128,
+    160,
+    192,
+    224,
+    256,
+    320,
+    384,
+    448,
+    512,
+    640,
+    768,
+    896,
+    1024,
+    1280,
+    1536,
+    1792,
+    2048,
+)
+
+
+def bucket_for(num_rows: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> int:
+    """Smallest bucket >= num_rows, or 0 when none fits (then the round runs eagerly)."""
+    for b in buckets:
+        if b >= num_rows:
+            return b
+    return 0
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: Model,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        *,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        max_rows: int,
+    ):
+        dev = model.device
+        self.model = model
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.max_seqs = max_seqs
+        self.max_rows = max_rows
+        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=dev)  # [max_rows]
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)  # [max_rows]
+        self.slot_mapping = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
+        self.cu_q_lens = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.memory_bytes = 0  # device memory taken by captures (graph pool growth)
+
+    def _meta(self, rows: int) -> AttnMetadata:
+        return AttnMetadata(
+            positions=self.positions[:rows],
+            slot_mapping=self.slot_mapping[:rows],
+            cu_q_lens=self.cu_q_lens,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+        )
+
+    def _forward(self, rows: int) -> torch.Tensor:
+        hidden = self.model.forward(
+            self.input_ids[:rows], self._meta(rows), self.k_caches, self.v_caches
+        )
+        return self.model.logits(hidden)  # [rows, vocab]
+
+    def capture(self, bucket: int) -> None:
+        if bucket in self.graphs:
+            return
+        before = torch.cuda.memory_reserved(self.model.device)
+        # Capture on an all-padding batch: no KV is written, every attention program exits.
+        self.slot_mapping.fill_(-1)
+        self.cu_q_lens.zero_()
+        self.seq_lens.zero_()
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: Triton compiles/autotunes outside the capture
+                self._forward(bucket)
+        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(bucket)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[bucket] = (graph, logits)
+        self.memory_bytes += torch.cuda.memory_reserved(self.model.device) - before
+        log.debug("captured decode graph for %d rows", bucket)
+
+    def run(
+        self,
+        bucket: int,
+        input_ids: torch.Tensor,  # [num_rows] int64 on device
+        positions: torch.Tensor,  # [num_rows]
+        slot_mapping: torch.Tensor,  # [num_rows]
+        cu_q_lens: torch.Tensor,  # [num_seqs + 1] int32
+        seq_lens: torch.Tensor,  # [num_seqs] int32
+        block_tables: torch.Tensor,  # [num_seqs, nb] int32
+    ) -> torch.Tensor:
+        """Returns logits [num_rows, vocab] (a view of the graph's static output)."""
+        self.capture(bucket)
+        num_rows, num_seqs = input_ids.shape[0], seq_lens.shape[0]
+        nb = block_tables.shape[1]
+        self.input_ids[:num_rows].copy_(input_ids)
+        self.positions[:num_rows].copy_(positions)
+        self.slot_mapping[:num_rows].copy_(slot_mapping)
+        self.slot_mapping[num_rows:bucket].fill_(-1)
+        self.cu_q_lens[: num_seqs + 1].copy_(cu_q_lens)
+        self.cu_q_lens[num_seqs + 1 :].fill_(num_rows)  # padded sequences: q_len 0
+        self.seq_lens[:num_seqs].copy_(seq_lens)
+        self.seq_lens[num_seqs:].zero_()
+        self.block_tables[:num_seqs, :nb].copy_(block_tables)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:num_rows]
