@@ -291,7 +291,8 @@ def verify_attention(
     block_m = max(16, _next_pow2(rows_per_tile * group_pad))
     num_tiles = triton.cdiv(num_rows, rows_per_tile) + num_seqs
     if num_splits is None:
-        est_tiles = triton.cdiv(num_rows, rows_per_tile)
+        # Sequences of fewer rows than a tile still take a tile each.
+        est_tiles = max(triton.cdiv(num_rows, rows_per_tile), min(num_seqs, num_rows))
         max_kv_len = block_tables.shape[1] * page_size
         num_splits = choose_num_splits(q.device, est_tiles, num_kv_heads, max_kv_len)
     assert num_splits >= 1
