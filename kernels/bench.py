@@ -1,0 +1,360 @@
+"""Benchmark of the verify-pass kernels on one GPU; writes a JSON record and prints a table.
+
+    python -m kernels.bench --out DIR [--tune] [--quick]
+
+Verify attention is timed at contexts 1k/8k/32k, rows per sequence 1/8/16, batch 1/16/64,
+GQA 4 and 8 (8 KV heads, head_dim 128, bf16, 16-token pages scattered over the cache) against
+(a) the same kernel forced to one row per program (every row re-reads the KV) and
+(b) torch's scaled_dot_product_attention on KV already gathered into contiguous tensors (the
+gather is not timed; GQA is folded into the query length so SDPA reads each KV head once).
+Achieved KV bandwidth counts each sequence's K and V bytes once, and is compared with the copy
+bandwidth (bytes read + written) of a large device-to-device copy measured in the same run.
+Every timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), which
+also proves the kernels capture. `--tune` first sweeps tile settings on three shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from kernels import arch
+from kernels.accept import accept_greedy, accept_rejection
+from kernels.argmax import argmax_rows, topk_rows
+from kernels.attention import verify_attention
+from kernels.norms import rms_norm, silu_and_mul
+from kernels.rope_kv import rope_and_write_kv
+
+PAGE_SIZE = 16
+NUM_KV_HEADS = 8
+HEAD_DIM = 128
+CONTEXTS = (1024, 8192, 32768)
+ROWS = (1, 8, 16)
+BATCHES = (1, 16, 64)
+GQAS = (4, 8)
+
+
+def time_ms(fn) -> float:
+    """Median ms of graph replays; eager do_bench if capture fails (recorded as such)."""
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
+    except Exception as exc:
+        print(f"graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", flush=True)
+        return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def copy_bandwidth_tbps(device: torch.device) -> float:
+    num_bytes = 4 << 30
+    src = torch.randn(num_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    ms = float(triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median"))
+    return 2 * num_bytes / (ms * 1e-3) / 1e12
+
+
+def set_attention_tiles(device: torch.device, **changes) -> None:
+    """Edits the arch-table entry this device uses (tuning only)."""
+    family = arch.arch_config(device).family
+    cfg = arch.FAMILY_CONFIGS[family]
+    arch.FAMILY_CONFIGS[family] = dataclasses.replace(
+        cfg, attention=dataclasses.replace(cfg.attention, **changes)
+    )
+    arch._config_for.cache_clear()
+
+
+class KvPool:
+    """One big paged cache reused by every shape; block tables scatter pages at random."""
+
+    def __init__(self, device: torch.device, num_tokens: int):
+        num_blocks = num_tokens // PAGE_SIZE
+        shape = (num_blocks, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        self.k_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        self.v_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        self.device = device
+
+    def batch(self, batch: int, ctx: int, rows: int, gqa: int, seed: int = 0):
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        pages_per_seq = ctx // PAGE_SIZE
+        perm = torch.randperm(batch * pages_per_seq, generator=gen)
+        block_tables = perm.view(batch, pages_per_seq).to(torch.int32).to(self.device)
+        q = torch.randn(batch * rows, NUM_KV_HEADS * gqa, HEAD_DIM, generator=gen)
+        q = q.to(device=self.device, dtype=torch.bfloat16)
+        cu = torch.arange(0, batch + 1, dtype=torch.int32, device=self.device) * rows
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.device)
+        return q, cu, seq_lens, block_tables
+
+    def gathered(self, block_tables: torch.Tensor, ctx: int):
+        """K, V as [B, Hkv, ctx, D] contiguous tensors (for SDPA)."""
+        b = block_tables.shape[0]
+        k = self.k_cache[block_tables.long()].reshape(b, ctx, NUM_KV_HEADS, HEAD_DIM)
+        v = self.v_cache[block_tables.long()].reshape(b, ctx, NUM_KV_HEADS, HEAD_DIM)
+        return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+
+def sdpa_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, gqa: int, scale: float):
+    """SDPA with GQA folded into the query length: q [B, Hkv, rows*gqa, D] over k/v [B, Hkv, L,
+    D]; row r of the fold sits at position L - rows + r (bottom-right causal)."""
+    b, _, ctx, _ = k.shape
+    qf = q.view(b, rows, NUM_KV_HEADS, gqa, HEAD_DIM).permute(0, 2, 1, 3, 4)
+    qf = qf.reshape(b, NUM_KV_HEADS, rows * gqa, HEAD_DIM).contiguous()
+    mask = None
+    if rows > 1:
+        q_pos = ctx - rows + torch.arange(rows, device=q.device).repeat_interleave(gqa)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [rows*gqa, L]
+    fn = torch.nn.functional.scaled_dot_product_attention
+    return lambda: fn(qf, k, v, attn_mask=mask, scale=scale)
+
+
+def bench_attention_shape(pool: KvPool, batch, ctx, rows, gqa, copy_tbps, with_sdpa=True):
+    q, cu, seq_lens, bt = pool.batch(batch, ctx, rows, gqa)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    out = torch.empty_like(q)
+
+    def ours():
+        return verify_attention(
+            q, pool.k_cache, pool.v_cache, cu, seq_lens, bt, scale, out, max_q_len=rows
+        )
+
+    out_row = torch.empty_like(q)
+
+    def per_row():
+        return verify_attention(
+            q, pool.k_cache, pool.v_cache, cu, seq_lens, bt, scale, out_row, rows_per_tile=1
+        )
+
+    ours()
+    per_row()
+    kv_bytes = batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2 * 2
+    rec = {"batch": batch, "ctx": ctx, "rows": rows, "gqa": gqa, "kv_bytes": kv_bytes}
+    rec["ours_ms"] = time_ms(ours)
+    rec["per_row_ms"] = time_ms(per_row)
+    rec["max_abs_diff_vs_per_row"] = float((out.float() - out_row.float()).abs().max())
+    if with_sdpa:
+        k, v = pool.gathered(bt, ctx)
+        sdpa = sdpa_fn(q, k, v, rows, gqa, scale)
+        ref = sdpa()  # [B, Hkv, rows*gqa, D]
+        ref = ref.view(batch, NUM_KV_HEADS, rows, gqa, HEAD_DIM).permute(0, 2, 1, 3, 4)
+        ref = ref.reshape(batch * rows, NUM_KV_HEADS * gqa, HEAD_DIM).float()
+        rec["rel_err_vs_sdpa"] = float((out.float() - ref).norm() / ref.norm())
+        rec["sdpa_ms"] = time_ms(sdpa)
+        del k, v
+    rec["ours_tbps"] = kv_bytes / (rec["ours_ms"] * 1e-3) / 1e12
+    rec["ours_frac_copy"] = rec["ours_tbps"] / copy_tbps
+    rec["speedup_vs_per_row"] = rec["per_row_ms"] / rec["ours_ms"]
+    if with_sdpa:
+        rec["speedup_vs_sdpa"] = rec["sdpa_ms"] / rec["ours_ms"]
+    return rec
+
+
+def tune(pool: KvPool, device: torch.device, copy_tbps: float) -> list[dict]:
+    shapes = [(16, 8192, 16, 8), (16, 8192, 8, 4), (64, 8192, 1, 4), (1, 32768, 8, 8)]
+    base = arch.arch_config(device).attention
+    settings = [(n, st, base.programs_per_sm) for n in (32, 64, 128) for st in (2, 3, 4)]
+    settings += [(base.block_n, base.num_stages, pps) for pps in (1, 2, 8)]
+    results = []
+    for block_n, stages, pps in settings:
+        set_attention_tiles(device, block_n=block_n, num_stages=stages, programs_per_sm=pps)
+        for batch, ctx, rows, gqa in shapes:
+            try:
+                rec = bench_attention_shape(pool, batch, ctx, rows, gqa, copy_tbps, False)
+            except Exception as exc:
+                rec = {
+                    "batch": batch,
+                    "ctx": ctx,
+                    "rows": rows,
+                    "gqa": gqa,
+                    "error": f"{type(exc).__name__}: {exc}"[:300],
+                }
+            rec.update(block_n=block_n, num_stages=stages, programs_per_sm=pps)
+            results.append(rec)
+            print("tune", json.dumps(rec), flush=True)
+    set_attention_tiles(
+        device,
+        block_n=base.block_n,
+        num_stages=base.num_stages,
+        programs_per_sm=base.programs_per_sm,
+    )
+    return results
+
+
+def bench_small_kernels(device: torch.device) -> list[dict]:
+    """Norms, RoPE, argmax/top-k and accept against their torch counterparts."""
+    bf = torch.bfloat16
+    res = []
+
+    def add(name, ours, base, num_bytes):
+        ours_ms, base_ms = time_ms(ours), time_ms(base)
+        res.append(
+            {
+                "kernel": name,
+                "ours_ms": ours_ms,
+                "torch_ms": base_ms,
+                "speedup": base_ms / ours_ms,
+                "ours_tbps": num_bytes / ours_ms / 1e9,
+            }
+        )
+
+    n, h, inter = 1024, 4096, 12288
+    x = torch.randn(n, h, device=device, dtype=bf)
+    r = torch.randn(n, h, device=device, dtype=bf)
+    w = torch.randn(h, device=device, dtype=bf)
+
+    def torch_add_norm():
+        s = x + r
+        sf = s.float()
+        return (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf) * w, s
+
+    add(
+        "rms_norm+residual [1024x4096]",
+        lambda: rms_norm(x, w, 1e-6, r),
+        torch_add_norm,
+        4 * n * h * 2,
+    )
+    g = torch.randn(n, 2 * inter, device=device, dtype=bf)
+    add(
+        "silu_and_mul [1024x2x12288]",
+        lambda: silu_and_mul(g),
+        lambda: torch.nn.functional.silu(g[:, :inter]) * g[:, inter:],
+        3 * n * inter * 2,
+    )
+
+    hq, hkv, d = 32, 8, 128
+    q = torch.randn(n, hq, d, device=device, dtype=bf)
+    k = torch.randn(n, hkv, d, device=device, dtype=bf)
+    v = torch.randn(n, hkv, d, device=device, dtype=bf)
+    cache_shape = (4096, PAGE_SIZE, hkv, d)
+    kc = torch.empty(cache_shape, device=device, dtype=bf)
+    vc = torch.empty(cache_shape, device=device, dtype=bf)
+    pos = torch.arange(n, device=device)
+    cs = torch.randn(8192, d, device=device)
+    slots = torch.randperm(4096 * PAGE_SIZE, device=device)[:n]
+
+    def torch_rope():
+        c = cs[pos]
+        cos, sin = c[:, None, : d // 2].to(bf), c[:, None, d // 2 :].to(bf)
+        for t in (q, k):
+            t1, t2 = t[..., : d // 2], t[..., d // 2 :]
+            t.copy_(torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], -1))
+        kc.view(-1, hkv, d)[slots] = k
+        vc.view(-1, hkv, d)[slots] = v
+
+    add(
+        "rope_and_write_kv [1024 tok, 32/8 heads]",
+        lambda: rope_and_write_kv(q, k, v, pos, cs, slots, kc, vc, is_neox=True),
+        torch_rope,
+        n * (2 * hq + 5 * hkv) * d * 2,
+    )
+
+    for rows, vocab in ((64, 151936), (512, 151936), (64, 262144)):
+        logits = torch.randn(rows, vocab, device=device, dtype=bf)
+        add(
+            f"argmax [{rows}x{vocab}]",
+            lambda lg=logits: argmax_rows(lg),
+            lambda lg=logits: lg.argmax(-1),
+            rows * vocab * 2,
+        )
+        add(
+            f"topk32 [{rows}x{vocab}]",
+            lambda lg=logits: topk_rows(lg, 32),
+            lambda lg=logits: torch.topk(lg, 32, dim=-1),
+            rows * vocab * 2,
+        )
+
+    seqs, depth, vocab = 64, 8, 151936
+    rows = seqs * depth
+    cu = torch.arange(0, seqs + 1, device=device, dtype=torch.int32) * depth
+    tgt = torch.randint(0, 8, (rows,), device=device)
+    drf = torch.randint(0, 8, (rows,), device=device)
+    add(
+        "accept_greedy [64 seqs x 8 rows]",
+        lambda: accept_greedy(tgt, drf, cu, max_rows=depth),
+        lambda: (tgt == drf).int().cumprod(-1),
+        rows * 16,
+    )
+    p = torch.softmax(torch.randn(rows, vocab, device=device), -1)
+    qd = torch.softmax(torch.randn(rows, vocab, device=device), -1)
+    u = torch.rand(rows, device=device)
+    ru = torch.rand(rows, device=device)
+    add(
+        "accept_rejection [64 seqs x 8 rows x 151936]",
+        lambda: accept_rejection(p, qd, drf, cu, u, ru, max_rows=depth),
+        lambda: torch.multinomial(p, 1),
+        seqs * 2 * 2 * vocab * 4,
+    )
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for kernels.json")
+    ap.add_argument("--tune", action="store_true", help="sweep attention tile settings first")
+    ap.add_argument("--quick", action="store_true", help="one batch and context only")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    record = {
+        "gpu": props.name,
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "num_sms": props.multi_processor_count,
+        "arch_family": arch.arch_config(device).family,
+    }
+    record["copy_tbps"] = copy_bandwidth_tbps(device)
+    print(f"{record['gpu']}  copy (read+write) {record['copy_tbps']:.3f} TB/s", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every stage, so a run cut short still leaves its numbers
+        (args.out / "kernels.json").write_text(json.dumps(record, indent=1))
+
+    pool = KvPool(device, max(BATCHES) * max(CONTEXTS))
+    if args.tune:
+        record["tune"] = tune(pool, device, record["copy_tbps"])
+        save()
+    record["attention_tiles"] = dataclasses.asdict(arch.arch_config(device).attention)
+    shapes = [(b, c, r, g) for c in CONTEXTS for b in BATCHES for r in ROWS for g in GQAS]
+    if args.quick:
+        shapes = [s for s in shapes if s[0] in (1, 16) and s[1] in (8192, 32768)]
+    record["attention"] = []
+    for batch, ctx, rows, gqa in shapes:
+        rec = bench_attention_shape(pool, batch, ctx, rows, gqa, record["copy_tbps"])
+        record["attention"].append(rec)
+        print("attn", json.dumps(rec), flush=True)
+        save()
+    del pool
+    torch.cuda.empty_cache()
+    record["small_kernels"] = bench_small_kernels(device)
+    save()
+    print_table(record)
+    return 0
+
+
+def print_table(record: dict) -> None:
+    print(f"\n{record['gpu']} {record['date_utc']}  copy {record['copy_tbps']:.2f} TB/s")
+    print(" ctx  batch rows gqa |  ours us  TB/s  %copy | per-row us  x | sdpa us  x | relerr")
+    for r in record["attention"]:
+        print(
+            f"{r['ctx']:>5} {r['batch']:>5} {r['rows']:>4} {r['gqa']:>3} | "
+            f"{r['ours_ms'] * 1e3:8.1f} {r['ours_tbps']:5.2f} {100 * r['ours_frac_copy']:5.1f} | "
+            f"{r['per_row_ms'] * 1e3:9.1f} {r['speedup_vs_per_row']:5.2f} | "
+            f"{r['sdpa_ms'] * 1e3:7.1f} {r['speedup_vs_sdpa']:5.2f} | {r['rel_err_vs_sdpa']:.1e}"
+        )
+    for r in record["small_kernels"]:
+        print(
+            f"{r['kernel']:<45} {r['ours_ms'] * 1e3:8.1f} us  torch {r['torch_ms'] * 1e3:8.1f}"
+            f" us  x{r['speedup']:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
