@@ -299,13 +299,14 @@ class IncrementalDetokenizer:
     """Text deltas of a growing output, each one safe to show.
 
     Each push decodes a small window `ids[prefix_offset:]` and compares it with the decode of
-    `ids[prefix_offset:read_offset]` (text already shown); the difference is new. Decoding with a
+    `ids[prefix_offset:read_offset]`, text already shown; the difference is new. Decoding with a
     few tokens of left context keeps spacing right where a decoder treats the first token of a
-    string differently. Text ending in U+FFFD is held back: the last token ended inside a
-    multi-byte character, and the next token completes it. `finish()` releases what is held.
+    string differently (e.g. SentencePiece's leading-space strip). A window whose text ends in
+    U+FFFD ended inside a multi-byte character: the complete characters before it are shown,
+    the offsets stay, and a later token completes the character. `finish()` releases the rest.
 
-    The deltas join to `decode(output_ids)` for valid UTF-8 output; with invalid byte sequences
-    the replacement characters may be grouped differently at window edges.
+    The deltas join to `decode(output_ids)` when the output is valid UTF-8; with invalid byte
+    sequences the replacement characters may be grouped differently at window edges.
     """
 
     def __init__(
@@ -321,6 +322,7 @@ class IncrementalDetokenizer:
         self._num_context = len(context)
         self._prefix_offset = 0
         self._read_offset = len(context)
+        self._num_shown_past_read = 0  # chars shown beyond the read offset's text, while holding
         self._text_parts: list[str] = []
 
     @property
@@ -336,31 +338,32 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], self._skip_special)
 
-    def push(self, new_ids: Iterable[int]) -> str:
-        """Appends `new_ids`; returns the text they complete (may be empty)."""
-        start = len(self._ids)
-        self._ids.extend(new_ids)
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        # Release as far as possible: all of it, else up to the last token ending a character.
-        # Ends before `start` were tried by earlier pushes already.
-        for end in range(len(self._ids), start, -1):
-            new_text = self._decode(self._prefix_offset, end)
-            if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
-                delta = new_text[len(prefix_text) :]
-                self._prefix_offset, self._read_offset = self._read_offset, end
-                self._text_parts.append(delta)
-                return delta
-        return ""
-
-    def finish(self) -> str:
-        """Releases held-back text (an incomplete character at the end shows as U+FFFD)."""
+    def _release(self, final: bool) -> str:
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self._ids))
-        delta = new_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset = len(self._ids)
+        complete = final or not new_text.endswith(REPLACEMENT_CHAR)
+        # Characters before an incomplete tail are final: the bytes after them start afresh.
+        visible = new_text if complete else new_text.rstrip(REPLACEMENT_CHAR)
+        delta = visible[len(prefix_text) + self._num_shown_past_read :]
+        # Only move the window once it produced text: a window of skipped special tokens alone
+        # would lose the left context of the next token.
+        if complete and len(new_text) > len(prefix_text):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._num_shown_past_read = 0
+        else:
+            self._num_shown_past_read += len(delta)
         if delta:
             self._text_parts.append(delta)
         return delta
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        """Appends `new_ids`; returns the text they complete (may be empty)."""
+        self._ids.extend(new_ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Releases held-back text (an incomplete character at the end shows as U+FFFD)."""
+        return self._release(final=True)
 
 
 @dataclass(frozen=True)

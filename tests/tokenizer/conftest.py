@@ -50,10 +50,10 @@ def build_byte_level() -> HFTokenizer:
 def build_byte_fallback() -> HFTokenizer:
     """Trained on ASCII text only, so every other character falls back to <0xNN> byte pieces."""
     tok = HFTokenizer(models.BPE(unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, special_tokens=LLAMA_SPECIALS, show_progress=False
     )
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=LLAMA_SPECIALS, show_progress=False)
     tok.train_from_iterator(ASCII_SENTENCES * 4, trainer)
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]

@@ -71,9 +71,7 @@ LLAMA3 = """\
 
 TEMPLATES = {"chatml": CHATML, "llama2": LLAMA2, "llama3": LLAMA3}
 
-CONTENT = st.text(
-    alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30
-)
+CONTENT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30)
 
 
 @st.composite

@@ -10,9 +10,7 @@ from hypothesis import strategies as st
 
 from hipfire_serve.tokenizer import Tokenizer
 
-TEXT = st.text(
-    alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=40
-)
+TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=40)
 
 
 def test_loads_ids_and_eos(byte_level_dir):
@@ -90,7 +88,10 @@ def test_add_bos_false_drops_post_processor_bos(tmp_path, byte_fallback_dir):
     data = json.loads((byte_fallback_dir / "tokenizer.json").read_text())
     data["post_processor"] = {
         "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "single": [
+            {"SpecialToken": {"id": "<s>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
         "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
         "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
     }
