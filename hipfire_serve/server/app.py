@@ -1,0 +1,327 @@
+"""The ASGI application: routes, auth, admission, and the drain on shutdown.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+Order of checks for a generation request: draining (503) -> auth (401) -> body size (413) ->
+body shape and values (400) -> model name (404) -> context length (400) -> tenant's speculation
+modes (400) -> tenant rate limits (429) -> engine queue (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hipfire_serve.server import http
+from hipfire_serve.server.async_engine import AsyncEngine
+from hipfire_serve.server.config import ServerConfig
+from hipfire_serve.server.generate import Generation, GenerationPlan, TokenTexts
+from hipfire_serve.server.metrics import ServerMetrics
+from hipfire_serve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    RequestError,
+    chat_messages,
+    decode_request,
+    prompt_inputs,
+    sampling_params,
+)
+from hipfire_serve.server.tenants import RateLimitExceeded, Tenant, TenantRegistry
+
+logger = logging.getLogger("hipfire_serve.server")
+
+_ROUTES = {
+    "/v1/completions": "POST",
+    "/v1/chat/completions": "POST",
+    "/v1/models": "GET",
+    "/health": "GET",
+    "/metrics": "GET",
+}
+
+
+def _engine_errors() -> tuple[type, type]:
+    from hipfire_serve.engine import ContextLengthError, QueueFullError
+
+    return QueueFullError, ContextLengthError
+
+
+class App:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int,
+        config: ServerConfig,
+        tenants: TenantRegistry,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.config = config
+        self.tenants = tenants
+        self.metrics = metrics
+        self.token_texts = TokenTexts(tokenizer)
+        self.created = int(time.time())
+        self.draining = False
+        self.live: set[Generation] = set()
+        self._queue_full_error, self._context_error = _engine_errors()
+
+    # --- ASGI entry ---
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await self._lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        path = scope["path"].rstrip("/") or "/"
+        method = _ROUTES.get(path)
+        if method is None:
+            return await http.send_error(send, 404, f"no route {scope['path']}")
+        if scope["method"] != method:
+            return await http.send_error(send, 405, f"{path} takes {method}")
+        try:
+            if path == "/health":
+                if self.draining or not self.engine.running:
+                    return await http.send_error(send, 503, "draining or engine stopped")
+                return await http.send_bytes(send, 200, b'{"status":"ok"}')
+            if path == "/metrics":
+                return await http.send_bytes(
+                    send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8"
+                )
+            tenant = self.tenants.authenticate(http.header(scope, b"authorization"))
+            if tenant is None:
+                return await http.send_error(
+                    send, 401, "missing or unknown API key", code="invalid_api_key"
+                )
+            if path == "/v1/models":
+                card = ModelCard(
+                    id=self.model_name, created=self.created, max_model_len=self.max_model_len
+                )
+                return await http.send_bytes(send, 200, http.encode(ModelList(data=[card])))
+            await self._generate(
+                scope, receive, send, tenant, chat=path.endswith("chat/completions")
+            )
+        except RequestError as exc:
+            await http.send_error(send, exc.status, exc.message, exc.param)
+        except http.ClientGone:
+            return
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.engine.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                for generation in list(self.live):
+                    generation.abort("shutdown")
+                await self.engine.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- generation ---
+
+    async def _generate(
+        self, scope: dict, receive: Any, send: Any, tenant: Tenant, *, chat: bool
+    ) -> None:
+        arrival = time.monotonic()
+        if self.draining:
+            return await http.send_error(
+                send, 503, "the server is shutting down", retry_after_s=self.config.retry_after
+            )
+        body = await http.read_body(scope, receive, self.config.max_body_bytes)
+        plan = self._plan(body, tenant, chat=chat)
+        try:
+            self.tenants.admit(tenant, plan.max_tokens_charged)
+        except RateLimitExceeded as exc:
+            return await http.send_error(
+                send, 429, exc.message, code="rate_limit_exceeded", retry_after_s=exc.retry_after_s
+            )
+
+        def refund(num_tokens: int) -> None:
+            self.tenants.refund_tokens(tenant, num_tokens)
+
+        generation = Generation(
+            plan,
+            engine=self.engine,
+            metrics=self.metrics,
+            token_texts=self.token_texts,
+            model_name=self.model_name,
+            tenant=tenant.name,
+            arrival=arrival,
+            on_tokens_unused=refund,
+        )
+        self.live.add(generation)
+        watcher = asyncio.create_task(_watch_disconnect(receive, generation.abort))
+        try:
+            try:
+                await generation.submit()
+            except self._queue_full_error as exc:
+                refund(plan.max_tokens_charged)
+                return await http.send_error(
+                    send,
+                    503,
+                    f"the request queue is full ({exc})",
+                    retry_after_s=self.config.retry_after,
+                )
+            except self._context_error as exc:
+                refund(plan.max_tokens_charged)
+                raise _context_length_error(
+                    exc.prompt_len, exc.max_tokens, exc.max_model_len, chat
+                ) from None
+            except ValueError as exc:
+                refund(plan.max_tokens_charged)
+                message = str(exc)
+                raise RequestError(message, message.split(" ", 1)[0]) from None
+            timeout_s = self.config.request_timeout
+            if plan.stream:
+                await generation.reply_sse(send, timeout_s)
+            else:
+                await generation.reply_json(send, timeout_s)
+        finally:
+            watcher.cancel()
+            if not generation.done:
+                generation.abort("disconnect")
+            self.live.discard(generation)
+
+    def _plan(self, body: bytes, tenant: Tenant, *, chat: bool) -> GenerationPlan:
+        """Decodes and checks a request body (RequestError on anything wrong)."""
+        if chat:
+            req = decode_request(body, ChatCompletionRequest)
+        else:
+            req = decode_request(body, CompletionRequest)
+        if req.model is not None and req.model != self.model_name:
+            raise RequestError(
+                f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                status=404,
+            )
+        if req.stream_options is not None and not req.stream:
+            raise RequestError("stream_options is only allowed with stream=true", "stream_options")
+        if chat:
+            messages = chat_messages(req.messages)
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except Exception as exc:
+                raise RequestError(
+                    f"the chat template rejected the messages: {exc}", "messages"
+                ) from None
+            prompts: list[str | list[int]] = [text]
+            echo = False
+            if req.top_logprobs is not None and not req.logprobs:
+                raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+            if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+                raise RequestError(
+                    f"top_logprobs must be in [0, 20], got {req.top_logprobs}", "top_logprobs"
+                )
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            max_tokens = req.max_completion_tokens
+            if max_tokens is None:
+                max_tokens = req.max_tokens
+        else:
+            prompts = prompt_inputs(req.prompt)
+            echo = req.echo
+            logprobs = req.logprobs
+            max_tokens = 16 if req.max_tokens is None else req.max_tokens
+            if req.suffix:
+                raise RequestError("suffix is not supported", "suffix")
+            if echo and logprobs is not None:
+                raise RequestError(
+                    "echo with logprobs is not supported (prompt logprobs are not computed)",
+                    "echo",
+                )
+        # Rendered chat text already carries its special tokens (BOS included when the template
+        # writes one), so it is encoded without adding them again.
+        token_ids = [
+            self._encode(p, "messages" if chat else "prompt", add_special_tokens=not chat)
+            for p in prompts
+        ]
+        longest = max(len(ids) for ids in token_ids)
+        if max_tokens is None:
+            # Chat without a limit: up to the end of the context, as OpenAI does.
+            max_tokens = max(1, self.max_model_len - longest)
+        if max_tokens >= 1 and longest + max_tokens > self.max_model_len:
+            raise _context_length_error(longest, max_tokens, self.max_model_len, chat)
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+        try:
+            params.speculation = tenant.speculation_mode(params.speculation)
+        except ValueError as exc:
+            raise RequestError(str(exc), "speculation") from None
+        echo_texts = [self._echo_text(p) if echo else "" for p in prompts]
+        charged = sum(len(ids) for ids in token_ids) + max_tokens * params.n * len(token_ids)
+        return GenerationPlan(
+            chat=chat,
+            prompt_token_ids=token_ids,
+            echo_texts=echo_texts,
+            params=params,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            want_logprobs=logprobs is not None,
+            max_tokens_charged=charged,
+        )
+
+    def _encode(
+        self, prompt: str | list[int], param: str, *, add_special_tokens: bool
+    ) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            token_ids = prompt
+        if not token_ids:
+            raise RequestError(f"{param} is empty (no tokens)", param)
+        return list(token_ids)
+
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    # --- shutdown ---
+
+    async def drain(self, deadline_s: float, on_done: Callable[[], None]) -> None:
+        """Stops taking requests (503), waits for in-flight ones up to `deadline_s`, aborts
+        the rest, lets their replies go out, then calls `on_done`."""
+        self.draining = True
+        logger.info(
+            "draining: %d request(s) in flight, deadline %.1f s", len(self.live), deadline_s
+        )
+        end = time.monotonic() + deadline_s
+        while self.live and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        if self.live:
+            logger.info("drain deadline reached: aborting %d request(s)", len(self.live))
+            for generation in list(self.live):
+                generation.abort("shutdown")
+            # Let the handlers write their 503 / final SSE event.
+            give_up = time.monotonic() + 2.0
+            while self.live and time.monotonic() < give_up:
+                await asyncio.sleep(0.01)
+        on_done()
+
+
+def _context_length_error(
+    prompt_len: int, max_tokens: int, max_model_len: int, chat: bool
+) -> RequestError:
+    where = "messages" if chat else "prompt"
+    return RequestError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} for the "
+        "completion). Please reduce the length of the prompt or max_tokens.",
+        "max_tokens" if prompt_len < max_model_len else where,
+    )
+
+
+async def _watch_disconnect(receive: Any, on_gone: Callable[[str], None]) -> None:
+    """Waits for the client to go away (ASGI `http.disconnect`) and aborts its request."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_gone("disconnect")
+            return

@@ -1,0 +1,204 @@
+"""Server configuration and the `hipfire-serve serve` command line.
+
+Flags are generated from the fields of two dataclasses, `EngineConfig` (the engine's) and
+`ServerConfig` (below): `max_concurrency` becomes `--max-concurrency`, the field's
+`metadata["help"]` its help text, `metadata["choices"]` its allowed values.
+
+Every setting can come from four places; a later one wins:
+
+    1. the field's default
+    2. the TOML file given with `--config FILE` (flat keys, `max_concurrency = 32` or
+       `max-concurrency = 32`; optional `[engine]` and `[server]` tables are merged in)
+    3. environment variables `HIPFIRE_<FIELD>` (e.g. `HIPFIRE_MAX_CONCURRENCY=32`)
+    4. command-line flags
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hipfire_serve.config import EngineConfig, config_fields
+
+ENV_PREFIX = "HIPFIRE_"
+
+
+def _f(default, help_: str, **extra):
+    return field(default=default, metadata={"help": help_, **extra})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    host: str = _f("127.0.0.1", "address to listen on (0.0.0.0 exposes the server to the network)")
+    port: int = _f(8000, "TCP port to listen on")
+    served_model_name: str = _f("", "model name in the API (default: the model's directory name)")
+    tenants: str = _f(
+        "", "tenants TOML file (API keys, weights, rate limits); without one the server is open"
+    )
+    log_level: str = _f(
+        "info", "log level", choices=("critical", "error", "warning", "info", "debug")
+    )
+    metrics_compat: str = _f(
+        "none", "also export metrics under vLLM's names", choices=("none", "vllm")
+    )
+    request_timeout: float = _f(600.0, "seconds after which a request is aborted (0: never)")
+    drain_timeout: float = _f(
+        30.0, "on SIGTERM/SIGINT: seconds to finish in-flight requests before aborting them"
+    )
+    max_body_bytes: int = _f(4 << 20, "largest request body accepted (bytes)")
+    retry_after: int = _f(1, "seconds put in Retry-After when the queue is full (503)")
+
+    def validate(self) -> None:
+        """Raises ValueError with a one-line reason for a bad setting."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            if not self.host or any(c.isspace() for c in self.host):
+                raise ValueError(
+                    f"--host must be an address or host name, got {self.host!r}"
+                ) from None
+        if self.request_timeout < 0:
+            raise ValueError(f"--request-timeout must be >= 0, got {self.request_timeout}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.retry_after < 1:
+            raise ValueError(f"--retry-after must be >= 1, got {self.retry_after}")
+        if self.tenants and not Path(self.tenants).is_file():
+            raise ValueError(f"--tenants {self.tenants}: no such file")
+
+
+CONFIG_CLASSES = (EngineConfig, ServerConfig)
+
+
+def _all_fields() -> dict[str, dataclasses.Field]:
+    out: dict[str, dataclasses.Field] = {}
+    for cls in CONFIG_CLASSES:
+        for f in config_fields(cls):
+            out[f.name] = f
+    return out
+
+
+def _type_name(f: dataclasses.Field) -> str:
+    # `from __future__ import annotations` leaves the annotations as strings.
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
+def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
+    """A TOML or environment value as the field's type; ValueError naming the source."""
+    type_name = _type_name(f)
+    try:
+        if type_name == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if type_name == "int":
+            if isinstance(value, bool | float):
+                raise ValueError
+            return int(value)
+        if type_name == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if isinstance(value, bool | int | float) and not isinstance(value, str):
+            return str(value)
+        if not isinstance(value, str):
+            raise ValueError
+        return value
+    except ValueError:
+        raise ValueError(f"{source}: expected {type_name}, got {value!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hipfire-serve serve",
+        description="Start the OpenAI-compatible server. Settings come from defaults, then "
+        "--config FILE (TOML), then HIPFIRE_<FIELD> environment variables, then flags; "
+        "a later source wins.",
+    )
+    parser.add_argument(
+        "--config", default=argparse.SUPPRESS, metavar="FILE", help="TOML file with settings"
+    )
+    for cls in CONFIG_CLASSES:
+        group = parser.add_argument_group(f"{cls.__name__} options")
+        for f in config_fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata.get("help", "")
+            choices = f.metadata.get("choices")
+            kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": f.name}
+            type_name = _type_name(f)
+            if type_name == "bool":
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = {"int": int, "float": float}.get(type_name, str)
+                kwargs["metavar"] = f.name.upper() if not choices else None
+                if choices:
+                    kwargs["choices"] = choices
+            default = f.default
+            kwargs["help"] = f"{help_} (default: {default!r}; env {ENV_PREFIX}{f.name.upper()})"
+            group.add_argument(flag, **kwargs)
+    return parser
+
+
+def _toml_settings(path: str) -> dict[str, Any]:
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"--config {path}: cannot read ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {path}: not valid TOML ({exc})") from None
+    flat: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key in ("engine", "server") and isinstance(value, dict):
+            flat.update({k.replace("-", "_"): v for k, v in value.items()})
+        else:
+            flat[key.replace("-", "_")] = value
+    return flat
+
+
+def resolve(
+    argv: list[str], environ: Mapping[str, str] | None = None
+) -> tuple[EngineConfig, ServerConfig]:
+    """Command line + environment + TOML file -> validated configs (precedence in the module
+    doc). Raises ValueError with a one-line reason; argparse exits on malformed flags."""
+    environ = os.environ if environ is None else environ
+    fields = _all_fields()
+    args = vars(build_parser().parse_args(argv))
+    config_path = args.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
+    settings: dict[str, Any] = {}
+    if config_path:
+        for key, value in _toml_settings(config_path).items():
+            if key not in fields:
+                raise ValueError(f"--config {config_path}: unknown setting {key!r}")
+            settings[key] = _coerce(fields[key], value, f"--config {config_path}: {key}")
+    for name, f in fields.items():
+        env_name = ENV_PREFIX + name.upper()
+        if env_name in environ:
+            settings[name] = _coerce(f, environ[env_name], env_name)
+    settings.update(args)
+    for name, value in settings.items():
+        choices = fields[name].metadata.get("choices")
+        if choices and value not in choices:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+    engine_names = {f.name for f in config_fields(EngineConfig)}
+    engine_config = EngineConfig(**{k: v for k, v in settings.items() if k in engine_names})
+    server_config = ServerConfig(**{k: v for k, v in settings.items() if k not in engine_names})
+    engine_config.validate()
+    server_config.validate()
+    return engine_config, server_config

@@ -1,0 +1,156 @@
+"""`hipfire-serve serve`: configuration -> engine -> HTTP server on uvicorn (uvloop, httptools).
+
+Shutdown: the first SIGTERM/SIGINT starts a drain (new requests get 503, in-flight ones run up
+to --drain-timeout, then the rest are aborted), after which the process exits 0. A second signal
+exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from hipfire_serve.config import EngineConfig
+from hipfire_serve.server.app import App
+from hipfire_serve.server.async_engine import AsyncEngine
+from hipfire_serve.server.config import ServerConfig, resolve
+from hipfire_serve.server.metrics import ServerMetrics
+from hipfire_serve.server.tenants import Tenant, TenantRegistry, load_tenants
+
+logger = logging.getLogger("hipfire_serve.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose exit signals drain the app first instead of dropping requests."""
+
+    def __init__(self, config: uvicorn.Config, app: App, startup_line: str) -> None:
+        super().__init__(config)
+        self.app = app
+        self.startup_line = startup_line
+        self.port: int | None = None
+        self.started_event = asyncio.Event()
+        self._drain_started = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        if self.servers and self.servers[0].sockets:
+            self.port = self.servers[0].sockets[0].getsockname()[1]
+        if self.started:
+            print(self.startup_line.format(port=self.port), flush=True)
+            self.started_event.set()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # Not recorded for re-raising (uvicorn's default), so a drained server exits 0.
+        if self._drain_started or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._drain_started
+            return
+        logger.info("received %s: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self.begin_drain)
+
+    def begin_drain(self) -> None:
+        """Drain, then exit the serve loop (event-loop thread)."""
+        if self._drain_started:
+            return
+        self._drain_started = True
+
+        def exit_now() -> None:
+            self.should_exit = True
+
+        deadline_s = self.app.config.drain_timeout
+        self._drain_task = asyncio.ensure_future(self.app.drain(deadline_s, exit_now))
+
+
+@dataclass
+class Built:
+    server: DrainingServer
+    app: App
+    engine: AsyncEngine
+
+
+def build_server(
+    engine: Any,
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    tenants: Sequence[Tenant] | None,
+) -> Built:
+    """Wires an engine into the app and a uvicorn server (not started). `tenants=None`: open."""
+    model_name = server_config.served_model_name or engine.model_name
+    metrics = ServerMetrics(model_name, vllm_compat=server_config.metrics_compat == "vllm")
+    registry = TenantRegistry.open_access() if tenants is None else TenantRegistry(tenants)
+    async_engine = AsyncEngine(engine, on_round=metrics.observe_engine)
+    app = App(
+        async_engine,
+        tokenizer=engine.tokenizer,
+        model_name=model_name,
+        max_model_len=engine.max_model_len,
+        config=server_config,
+        tenants=registry,
+        metrics=metrics,
+    )
+    uv_config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        http="httptools",
+        loop="uvloop",
+        lifespan="on",
+        log_level=server_config.log_level,
+        access_log=server_config.log_level == "debug",
+        timeout_graceful_shutdown=max(1.0, server_config.drain_timeout + 5.0),
+        h11_max_incomplete_event_size=server_config.max_body_bytes,
+    )
+    access = (
+        f"{len(tenants)} tenant(s) from {server_config.tenants}"
+        if tenants is not None
+        else "open access (no --tenants file: any API key is accepted)"
+    )
+    host = server_config.host
+    url_host = f"[{host}]" if ":" in host else host
+    line = (
+        f"hipfire-serve: serving {model_name!r} (model {engine_config.model}, draft "
+        f"{engine_config.draft}, spec mode {engine_config.spec_mode}, "
+        f"{engine_config.max_concurrency} slots, context {engine.max_model_len}) at "
+        f"http://{url_host}:{{port}}/v1 with {access}"
+    )
+    server = DrainingServer(uv_config, app, line)
+    return Built(server=server, app=app, engine=async_engine)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        engine_config, server_config = resolve(argv)
+        tenants = load_tenants(server_config.tenants) if server_config.tenants else None
+    except ValueError as exc:
+        print(f"hipfire-serve serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
+    )
+    from hipfire_serve.engine import Engine
+
+    try:
+        specs = [t.to_spec() for t in tenants] if tenants else ()
+        engine = Engine(engine_config, tenants=specs)
+    except (ValueError, OSError) as exc:
+        print(f"hipfire-serve serve: {exc}", file=sys.stderr)
+        return 2
+    built = build_server(engine, engine_config, server_config, tenants)
+    import uvloop
+
+    uvloop.run(built.server.serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
