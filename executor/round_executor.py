@@ -237,7 +237,7 @@ class RoundExecutor:
         else:
             hidden = self.target.forward(ids_t, meta, self.kv.k, self.kv.v)  # [rows, hidden]
             if len(logit_rows) < num_rows:
-                hidden = hidden[torch.tensor(logit_rows, device=dev)]
+                hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=dev)]
             logits = self.target.logits(hidden)  # [num_logit_rows, vocab]
         num_padded = bucket or num_rows
         self._sync()

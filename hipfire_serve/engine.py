@@ -15,7 +15,6 @@ from pathlib import Path
 
 import msgspec
 import torch
-from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 
 from executor.drafters.base import Drafter
 from executor.kv_cache import KVCache, auto_kv_budget, parse_bytes
@@ -28,6 +27,7 @@ from hipfire_serve.types import CompletionOutput, RequestOutput, SamplingParams
 from scheduler.kv_blocks import num_blocks_for
 from scheduler.plan import PhaseTimes, ReqResult, RoundPlan, RoundResult
 from scheduler.request import RequestDelta, RequestSpec
+from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 
 log = logging.getLogger("hipfire_serve.engine")
 
@@ -183,6 +183,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._choices: dict[int, _Choice] = {}
         self._rounds: list[RoundStats] = []
+        self._num_switches = 0
 
     # -- set-up helpers ---------------------------------------------------------------------
     def _make_drafter(self, spec: str, draft_model: Model | None, num_blocks: int):
@@ -344,7 +345,8 @@ class Engine:
                 if pos < rr.num_accepted:
                     accepted[pos] += 1
         t = result.timings
-        info = self.scheduler.last_round_info()
+        switches = self.scheduler.stats.num_policy_switches
+        new_switches, self._num_switches = switches - self._num_switches, switches
         self._rounds.append(
             RoundStats(
                 route=plan.route,
@@ -364,7 +366,7 @@ class Engine:
                 },
                 drafted_per_pos=drafted,
                 accepted_per_pos=accepted,
-                policy_switches=int(info.get("policy_switches", 0)),
+                policy_switches=new_switches,
                 reason=plan.reason,
             )
         )
@@ -431,6 +433,6 @@ class Engine:
             slot_capacity=self.config.max_concurrency,
             live_slots=s.num_running,
             num_kv_blocks=self.num_kv_blocks,
-            num_free_kv_blocks=s.num_free_kv_blocks,
+            num_free_kv_blocks=s.kv.num_free,
             rounds=rounds,
         )
