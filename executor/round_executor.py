@@ -217,7 +217,7 @@ class RoundExecutor:
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         bucket = 0
         if self.graphs is not None and plan.is_decode_only:
-            bucket = max(plan.row_bucket, bucket_for(num_rows))
+            bucket = plan.row_bucket if plan.row_bucket >= num_rows else bucket_for(num_rows)
             if bucket > self.graphs.max_rows:
                 bucket = 0
         self._sync()

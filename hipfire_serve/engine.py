@@ -24,6 +24,7 @@ from executor.round_executor import RoundExecutor
 from hipfire_serve.config import EngineConfig
 from hipfire_serve.tokenizer import OutputStream, Tokenizer
 from hipfire_serve.types import CompletionOutput, RequestOutput, SamplingParams
+from scheduler.cost_model import CostModel
 from scheduler.kv_blocks import num_blocks_for
 from scheduler.plan import PhaseTimes, ReqResult, RoundPlan, RoundResult
 from scheduler.request import RequestDelta, RequestSpec
@@ -121,6 +122,7 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         target_dir, draft_spec = resolve_model_dirs(config)
+        self.target_dir, self.draft_spec = target_dir, draft_spec
         self.tokenizer = Tokenizer.from_dir(target_dir)
         self.target: Model = load_model(target_dir, dtype=config.dtype, device=self.device)
         self.model_name = target_dir.name if config.model != "demo" else "hipfire-demo"
@@ -162,7 +164,8 @@ class Engine:
             max_slots=slots,
             max_model_len=self.max_model_len + config.spec_depth,
             drafter=self.drafter,
-            base_seed=config.seed,
+            base_seed=config.seed, graphs=config.graphs,
+            max_graph_rows=slots * config.spec_depth,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -176,6 +179,7 @@ class Engine:
                 has_drafter=self.drafter is not None,
             ),
             num_kv_blocks=num_blocks,
+            cost_model=self._load_cost_model(),
             tenants=tenants,
             stop_checker=self._check_stop_strings,
         )
@@ -186,6 +190,27 @@ class Engine:
         self._num_switches = 0
 
     # -- set-up helpers ---------------------------------------------------------------------
+    def _load_cost_model(self) -> CostModel | None:
+        """The scheduler's cost model: the given profile, or for 'auto' the cached profile of
+        these models on this device (`hipfire-serve profile` writes it); None falls back to the
+        scheduler's flat default, which online calibration then corrects."""
+        path = self.config.cost_profile
+        if path == "auto":
+            from executor.profiler import cached_profile_path, profile_key
+
+            key = profile_key(str(self.target_dir), self.draft_spec, self.device,
+                              self.target.dtype, self.config.block_size,
+                              self.config.max_concurrency)
+            cached = cached_profile_path(key)
+            if not cached.is_file():
+                log.info("no cost profile cached for this set-up (run `hipfire-serve profile`)")
+                return None
+            path = str(cached)
+        try:
+            return CostModel.from_file(path)
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"cannot read cost profile {path}: {e}") from None
+
     def _make_drafter(self, spec: str, draft_model: Model | None, num_blocks: int):
         if spec == "none":
             return None

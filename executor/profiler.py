@@ -1,0 +1,351 @@
+"""`hipfire-serve profile`: measure the round-time cost profile of the loaded models on a device.
+
+The profile is what the scheduler's cost model starts from (format of the shared H200 profile,
+extended):
+
+- `target.rows_ms`: measured time of a whole decode round (host batch build, graph replay of the
+  target forward, acceptance, commit) at each row bucket with a short context, so attention is a
+  small part of it;
+- `target.kv_read_TBps_assumed`: the effective KV read rate, fitted from the same rounds at
+  several context lengths (slope of round time over KV tokens), so the cost model's KV term
+  `kv_tokens * kv_bytes_per_token / rate` is a measurement, not an assumption;
+- `target.rows_kv_ms`: the raw grid (rows, kv tokens per sequence, ms) the two were fitted from;
+- `draft_model.rows_ms_per_step`: one chain step of the draft model (forward + argmax) per row
+  count, when a draft model is loaded;
+- `ceilings`: copy bandwidth and bf16 GEMM rate measured on the same device in the same run.
+
+Profiles are cached under `~/.cache/hipfire-serve/profiles/` by a key of the models, device,
+dtype and executor configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from executor.drafters.ngram import NgramDrafter
+from executor.model import AttnMetadata, Model
+from executor.round_executor import RoundExecutor
+from scheduler.kv_blocks import BlockPool
+from scheduler.plan import Mode, ReqPlan, RoundPlan, SamplingSpec, SeqSetup
+
+CACHE_DIR = Path.home() / ".cache" / "hipfire-serve" / "profiles"
+DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
+DEFAULT_KV_LENS = (16, 512, 2048)
+
+
+def profile_key(
+    target_dir: str,
+    draft: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    max_slots: int,
+) -> str:
+    h = hashlib.sha256()
+    for path in (target_dir, draft):
+        p = Path(path)
+        cfg = p / "config.json"
+        h.update(cfg.read_bytes() if cfg.is_file() else path.encode())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    h.update(f"{name}|{dtype}|{block_size}|{max_slots}|{torch.__version__}".encode())
+    return h.hexdigest()[:16]
+
+
+def cached_profile_path(key: str) -> Path:
+    return CACHE_DIR / f"{key}.json"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    """Copy bandwidth (read + write) and bf16 GEMM rate of this device, measured now."""
+    if device.type != "cuda":
+        return {}
+    n = 1 << 30  # 1 GiB of bytes per buffer: far past the L2
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end))
+    copy_tbps = 2 * n / (statistics.median(times) * 1e-3) / 1e12
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    times = []
+    for i in range(8):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end))
+    gemm_tflops = 2 * m**3 / (statistics.median(times) * 1e-3) / 1e12
+    return {
+        "copy_read_plus_write_TBps": round(copy_tbps, 3),
+        "bf16_gemm_TFLOPs": round(gemm_tflops, 1),
+    }
+
+
+class RoundTimer:
+    """Builds synthetic decode rounds (AR rows, or SPEC groups once rows exceed the slots) at a
+    given context length and times `RoundExecutor.run` on them."""
+
+    def __init__(self, executor: RoundExecutor, spec_depth: int):
+        self.ex = executor
+        self.spec_depth = spec_depth
+        self.pool = BlockPool(executor.kv.num_blocks, executor.block_size)
+
+    def time_round(self, num_rows: int, kv_len: int, repeats: int) -> float:
+        ex = self.ex
+        max_slots = ex.max_slots
+        rows_per_seq = 1 if num_rows <= max_slots else -(-num_rows // max_slots)
+        if rows_per_seq > 1 and ex.drafter is None:
+            raise ValueError(f"{num_rows} rows need speculative groups: load a drafter")
+        num_seqs = -(-num_rows // rows_per_seq)
+        vocab = ex.target.config.vocab_size
+        g = torch.Generator().manual_seed(num_rows * 7919 + kv_len)
+        setups, reqs = [], []
+        remaining = num_rows
+        for slot in range(num_seqs):
+            n = min(rows_per_seq, remaining)
+            remaining -= n
+            req_id = slot
+            context = torch.randint(0, vocab, (kv_len,), generator=g).tolist()
+            blocks = self.pool.allocate(req_id, -(-(kv_len + n) // ex.block_size))
+            setups.append(
+                SeqSetup(
+                    req_id=req_id,
+                    slot=slot,
+                    context_token_ids=tuple(context),
+                    sampling=SamplingSpec(),
+                )
+            )
+            reqs.append(
+                ReqPlan(
+                    req_id=req_id,
+                    slot=slot,
+                    mode=Mode.AR if n == 1 else Mode.SPEC,
+                    num_computed=kv_len - 1,
+                    num_new=n,
+                    num_draft=n - 1,
+                    new_block_ids=blocks,
+                )
+            )
+        plan = RoundPlan(
+            round_id=0,
+            reqs=tuple(reqs),
+            num_rows=num_rows,
+            row_bucket=num_rows,
+            spec_depth=rows_per_seq,
+        )
+        # The target's cost is measured with a host-only drafter in place: a model drafter's own
+        # cost is profiled separately (time_draft_steps).
+        saved_drafter = ex.drafter
+        ex.drafter = NgramDrafter() if rows_per_seq > 1 else None
+        ex._apply_setup_release(RoundPlan(round_id=0, setup=tuple(setups)))
+        times = []
+        try:
+            for i in range(repeats + 2):
+                # Every repeat re-runs the same rows from the same committed state: reset what
+                # the previous repeat committed (the KV contents do not matter for timing).
+                for r in reqs:
+                    st = ex.slots[r.slot]
+                    del st.context[kv_len:]
+                    st.num_computed = kv_len - 1
+                _sync(ex.device)
+                t0 = time.perf_counter()
+                ex.run(plan)
+                _sync(ex.device)
+                if i >= 2:
+                    times.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            ex._apply_setup_release(RoundPlan(round_id=0, release=tuple(range(num_seqs))))
+            ex.drafter = saved_drafter
+            for r in reqs:
+                self.pool.free(r.req_id)
+        return statistics.median(times)
+
+
+def time_draft_steps(model: Model, rows: tuple[int, ...], repeats: int) -> list[list[float]]:
+    """One chain step of a draft model: forward of `n` single rows at a short context + argmax."""
+    from executor.kv_cache import KVCache
+
+    block = 16
+    max_rows = max(rows)
+    kv = KVCache.allocate(
+        model.config,
+        num_blocks=max_rows * 2 + 1,
+        block_size=block,
+        dtype=model.dtype,
+        device=model.device,
+    )
+    out = []
+    for n in rows:
+        dev = model.device
+        positions = torch.full((n,), 8, dtype=torch.int64, device=dev)
+        tables = torch.arange(n * 2, dtype=torch.int32, device=dev).view(n, 2)
+        meta = AttnMetadata(
+            positions=positions,
+            slot_mapping=tables[:, 0].long() * block + 8,
+            cu_q_lens=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.full((n,), 9, dtype=torch.int32, device=dev),
+            block_tables=tables,
+        )
+        ids = torch.randint(0, model.config.vocab_size, (n,), device=dev)
+        times = []
+        for i in range(repeats + 2):
+            _sync(dev)
+            t0 = time.perf_counter()
+            model.logits(model.forward(ids, meta, kv.k, kv.v)).argmax(-1)
+            _sync(dev)
+            if i >= 2:
+                times.append((time.perf_counter() - t0) * 1e3)
+        out.append([n, round(statistics.median(times), 4)])
+    return out
+
+
+def build_profile(
+    engine,
+    rows=DEFAULT_ROWS,
+    kv_lens=DEFAULT_KV_LENS,
+    repeats: int = 10,
+    with_ceilings: bool = True,
+) -> dict:
+    """Measures the profile of an `Engine`'s target (and draft model, if any)."""
+    ex: RoundExecutor = engine.executor
+    target = engine.target
+    cfg = target.config
+    timer = RoundTimer(ex, engine.config.spec_depth)
+    max_rows = ex.max_slots * engine.config.spec_depth
+    rows = tuple(r for r in rows if r <= max_rows and (r <= ex.max_slots or ex.drafter))
+    grid = []
+    for kv_len in kv_lens:
+        for n in rows:
+            need = -(-(kv_len + engine.config.spec_depth) // ex.block_size) * min(n, ex.max_slots)
+            if need > ex.kv.num_blocks:
+                continue
+            grid.append([n, kv_len, round(timer.time_round(n, kv_len, repeats), 4)])
+    elt = target.weights.embed.element_size()
+    kv_bytes = cfg.kv_bytes_per_token(elt)
+    short = min(kv_lens)
+    rows_ms = [[n, ms] for n, kv_len, ms in grid if kv_len == short]
+    # Effective KV read rate: per row count, slope of time over total KV tokens; median.
+    rates = []
+    for n in rows:
+        pts = sorted((kv_len * min(n, ex.max_slots), ms) for m, kv_len, ms in grid if m == n)
+        if len(pts) >= 2 and pts[-1][1] > pts[0][1]:
+            dt_ms = pts[-1][1] - pts[0][1]
+            rates.append((pts[-1][0] - pts[0][0]) * kv_bytes / (dt_ms * 1e-3) / 1e12)
+    kv_rate = statistics.median(rates) if rates else 1.0
+    device = target.device
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    profile = {
+        "name": f"{engine.model_name}-{dev_name.replace(' ', '-').lower()}",
+        "device": f"{dev_name}, torch {torch.__version__}, measured {time.strftime('%Y-%m-%d')}",
+        "method": (
+            "whole decode rounds through RoundExecutor.run (host build, target forward with "
+            "graph replay where enabled, acceptance, commit), median of repeats after warm-up; "
+            f"rows_ms at {short} tokens of context per sequence; KV rate fitted over "
+            f"contexts {list(kv_lens)}"
+        ),
+        "ceilings": measure_ceilings(device) if with_ceilings else {},
+        "target": {
+            "shape": (
+                f"{cfg.arch}: hidden {cfg.hidden_size}, intermediate "
+                f"{cfg.intermediate_size}, {cfg.num_layers} layers, {cfg.num_q_heads} q "
+                f"heads, {cfg.num_kv_heads} kv heads, head_dim {cfg.head_dim}, vocab "
+                f"{cfg.vocab_size}"
+            ),
+            "weight_bytes": target.num_params * elt,
+            "rows_ms": rows_ms,
+            "kv_bytes_per_token": kv_bytes,
+            "kv_read_TBps_assumed": round(kv_rate, 4),
+            "rows_kv_ms": grid,
+        },
+    }
+    draft_model = getattr(engine.drafter, "model", None)
+    if draft_model is not None:
+        draft_rows = tuple(r for r in rows if r <= ex.max_slots)
+        profile["draft_model"] = {
+            "shape": f"{draft_model.config.arch}: hidden {draft_model.config.hidden_size}, "
+            f"{draft_model.config.num_layers} layers",
+            "rows_ms_per_step": time_draft_steps(draft_model, draft_rows, repeats),
+            "note": "one chain step; a depth-D chain costs D-1 steps",
+        }
+    return profile
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hipfire_serve.config import EngineConfig
+    from hipfire_serve.engine import Engine
+
+    ap = argparse.ArgumentParser(prog="hipfire-serve profile", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--draft", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-concurrency", type=int, default=64)
+    ap.add_argument("--spec-depth", type=int, default=8)
+    ap.add_argument("--kv-cache-memory", default="auto")
+    ap.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)))
+    ap.add_argument("--kv-lens", default=",".join(map(str, DEFAULT_KV_LENS)))
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--graphs", default="lazy", choices=("lazy", "off"))
+    ap.add_argument("--out", default="", help="output JSON (default: the profile cache)")
+    args = ap.parse_args(argv)
+    try:
+        engine = Engine(
+            EngineConfig(
+                model=args.model,
+                draft=args.draft,
+                device=args.device,
+                dtype=args.dtype,
+                max_concurrency=args.max_concurrency,
+                spec_depth=args.spec_depth,
+                kv_cache_memory=args.kv_cache_memory,
+                graphs=args.graphs,
+                spec_mode="ar",
+            )
+        )
+        rows = tuple(int(x) for x in args.rows.split(","))
+        kv_lens = tuple(int(x) for x in args.kv_lens.split(","))
+    except (ValueError, OSError) as e:
+        print(f"hipfire-serve profile: {e}", file=sys.stderr)
+        return 2
+    profile = build_profile(engine, rows, kv_lens, args.repeats)
+    key = profile_key(
+        str(engine.target_dir),
+        engine.draft_spec,
+        engine.device,
+        engine.target.dtype,
+        engine.config.block_size,
+        engine.config.max_concurrency,
+    )
+    profile["key"] = key
+    out = Path(args.out) if args.out else cached_profile_path(key)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=1))
+    print(f"{'rows':>6} {'ms':>9}")
+    for n, ms in profile["target"]["rows_ms"]:
+        print(f"{n:>6} {ms:>9.3f}")
+    print(f"KV read rate {profile['target']['kv_read_TBps_assumed']} TB/s; wrote {out}")
+    return 0
