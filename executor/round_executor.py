@@ -83,7 +83,7 @@ class RoundExecutor:
         self.slots: dict[int, SlotState] = {}
         # Host mirror of each slot's block table; the rows a round touches are uploaded at once.
         self.block_tables = np.zeros((max_slots, self.max_blocks_per_seq), dtype=np.int32)
-        self.sampler = RowSampler(target.config.vocab_size, self.device, base_seed)
+        self.sampler = RowSampler(target.config.vocab_size, self.device, base_seed, max_slots)
         self.sync_phases = sync_phases and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         if graphs != "off" and self.device.type == "cuda":
@@ -105,6 +105,7 @@ class RoundExecutor:
     def _apply_setup_release(self, plan: RoundPlan) -> None:
         for slot in plan.release:
             self.slots.pop(slot, None)
+            self.sampler.release_slot(slot)
             if self.drafter is not None:
                 self.drafter.release(slot)
         for s in plan.setup:
@@ -116,6 +117,8 @@ class RoundExecutor:
                 prompt_len=len(context) - s.num_output_tokens,
                 num_emitted=s.num_output_tokens,
             )
+            self.sampler.setup_slot(s.slot, context, len(context) - s.num_output_tokens,
+                                    s.sampling)
             if self.drafter is not None:
                 self.drafter.setup(s.slot, context)
 
@@ -269,6 +272,7 @@ class RoundExecutor:
                 # the last committed token and the accepted drafts now have valid KV
                 st.num_computed += 1 + acc.num_accepted
             st.context += acc.token_ids
+            self.sampler.commit(r.slot, acc.token_ids)
             st.num_emitted += len(acc.token_ids)
             if self.drafter is not None and acc.token_ids:
                 self.drafter.commit(r.slot, st.context, acc.num_accepted, r.num_draft)
