@@ -1,8 +1,5 @@
-"""The model's device operations behind one switch: Triton kernels on a GPU, pure torch elsewhere.
-
-The torch versions are the references of `kernels/` (same signatures and layouts); the model
-never branches on the device itself.
-"""
+"""The model's device operations behind one switch: Triton kernels on a GPU, their pure-torch
+references elsewhere (same signatures and layouts). The model never branches on the device."""
 
 from __future__ import annotations
 
@@ -27,15 +24,13 @@ def _load(name: str, attr: str):
 
 
 def reference_ops() -> OpSet:
-    from executor import torch_ops as t
-
     return OpSet(
-        rms_norm=t.rms_norm,
-        head_rms_norm=t.head_rms_norm,
-        silu_and_mul=t.silu_and_mul,
-        rope_and_write_kv=t.rope_and_write_kv,
-        verify_attention=t.verify_attention,
-        argmax_rows=lambda logits: logits.argmax(dim=-1),
+        rms_norm=_load("norms", "rms_norm_ref"),
+        head_rms_norm=_load("norms", "head_rms_norm_ref"),
+        silu_and_mul=_load("norms", "silu_and_mul_ref"),
+        rope_and_write_kv=_load("rope_kv", "rope_and_write_kv_ref"),
+        verify_attention=_load("attention", "verify_attention_ref"),
+        argmax_rows=_load("argmax", "argmax_rows_ref"),
     )
 
 
