@@ -72,7 +72,9 @@ def runs_table(report: dict) -> str:
                 fmt(srv.get("acceptance_length"), 2),
                 fmt(srv.get("spec_requests_per_round"), 1),
                 fmt(srv.get("rows_per_round"), 1),
-                "/".join(fmt(mix.get(k), 2) for k in ("spec", "ar", "prefill")) if mix else "-",
+                "/".join(fmt(mix.get(k, 0.0), 2) for k in ("spec", "ar", "prefill"))
+                if mix
+                else "-",
             ]
         rows.append(row)
     return render(headers, rows)
