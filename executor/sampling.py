@@ -1,0 +1,317 @@
+"""Batched sampling on the device: penalties, temperature / top-k / top-p / min-p, seeded draws
+and logprobs for all rows of a round at once.
+
+The host builds one `SamplingTensors` per round from the rows' `SamplingSpec`s (two uploads);
+nothing below reads a tensor back, so a round costs no host-device synchronisation until the
+caller copies the sampled ids out.
+
+Order of operations (the same for AR rows, spec rows and rejection sampling):
+1. `apply_penalties` on the raw logits (vLLM / OpenAI semantics):
+   repetition: a token seen in the prompt or the output has its logit divided by r when
+   positive and multiplied by r when negative; then frequency and presence:
+   `logit -= frequency * count_in_output + presence * (count_in_output > 0)`.
+2. Greedy rows (temperature 0) take the argmax of the penalised logits.
+3. `process_logits`: divide by the temperature, keep the top-k logits, keep the smallest set of
+   tokens whose probability reaches top-p (computed after top-k), drop tokens whose probability
+   is below min-p times the largest one, softmax. Greedy rows become a one-hot of their argmax.
+4. `sample_from_probs`: the exponential race `argmax_v p_v / E_v` with E_v ~ Exp(1) from the
+   counter-based generator in `executor/rng.py`, which picks v with probability p_v / sum(p).
+
+Logprobs (`compute_logprobs`) are those of the model's distribution after penalties, before
+temperature and filtering: the quantity OpenAI's API reports, comparable across requests with
+different sampling settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from executor import rng
+from executor.rng import Stream
+from scheduler.plan import SamplingSpec
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters of one round, on the device, plus host-side facts about the
+    whole batch (known without a sync) that let the sampler skip work no row needs."""
+
+    temperature: torch.Tensor  # [N] float32; greedy rows hold 1.0 so divisions stay finite
+    top_p: torch.Tensor  # [N] float32 in (0, 1]
+    min_p: torch.Tensor  # [N] float32 in [0, 1]
+    presence_penalty: torch.Tensor  # [N] float32
+    frequency_penalty: torch.Tensor  # [N] float32
+    repetition_penalty: torch.Tensor  # [N] float32, 1.0: off
+    top_k: torch.Tensor  # [N] int64, vocab size when off
+    seed: torch.Tensor  # [N] int64, the request's own seed or one derived from its req_id
+    step: torch.Tensor  # [N] int64, per-request counter of the token each row samples
+    greedy: torch.Tensor  # [N] bool
+    sampled_rows: torch.Tensor | None  # [M] int64 rows with temperature > 0; None unless mixed
+    num_rows: int
+    all_greedy: bool
+    any_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    use_penalties: bool
+    max_top_k: int  # largest top-k of any row that uses one
+
+    @classmethod
+    def build(
+        cls,
+        specs: Sequence[SamplingSpec],
+        req_ids: Sequence[int],
+        steps: Sequence[int],
+        *,
+        vocab_size: int,
+        base_seed: int,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """One row per entry. `steps[i]` must differ between the tokens one request samples
+        (its sequence position does). Rows of a request without a seed draw from
+        `rng.derive_seed(base_seed, req_id)`."""
+        num_rows = len(specs)
+        if not len(req_ids) == len(steps) == num_rows:
+            raise ValueError("specs, req_ids and steps need one entry per row")
+        floats = [[0.0] * num_rows for _ in range(6)]
+        ints = [[0] * num_rows for _ in range(3)]
+        for i, (spec, req_id, step) in enumerate(zip(specs, req_ids, steps)):
+            floats[0][i] = max(spec.temperature, 0.0)
+            floats[1][i] = spec.top_p
+            floats[2][i] = spec.min_p
+            floats[3][i] = spec.presence_penalty
+            floats[4][i] = spec.frequency_penalty
+            floats[5][i] = spec.repetition_penalty
+            ints[0][i] = spec.top_k if 0 < spec.top_k < vocab_size else vocab_size
+            seed = rng.derive_seed(base_seed, req_id) if spec.seed is None else spec.seed
+            ints[1][i] = rng.seed_to_int64(seed)
+            ints[2][i] = step
+        # Two uploads per round; the fields are views into them.
+        float_rows = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
+        int_rows = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
+        greedy_rows = float_rows[0] <= 0.0  # [N]
+        greedy = [s.greedy for s in specs]
+        sampled = [s for s in specs if not s.greedy]
+        top_ks = [s.top_k for s in sampled if 0 < s.top_k < vocab_size]
+        return cls(
+            temperature=torch.where(greedy_rows, 1.0, float_rows[0]),
+            top_p=float_rows[1],
+            min_p=float_rows[2],
+            presence_penalty=float_rows[3],
+            frequency_penalty=float_rows[4],
+            repetition_penalty=float_rows[5],
+            top_k=int_rows[0],
+            seed=int_rows[1],
+            step=int_rows[2],
+            greedy=greedy_rows,
+            sampled_rows=(
+                torch.tensor([i for i, g in enumerate(greedy) if not g], dtype=torch.int64).to(
+                    device, non_blocking=True
+                )
+                if any(greedy) and not all(greedy)
+                else None
+            ),
+            num_rows=num_rows,
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            use_top_k=bool(top_ks),
+            use_top_p=any(s.top_p < 1.0 for s in sampled),
+            use_min_p=any(s.min_p > 0.0 for s in sampled),
+            use_penalties=any(
+                s.presence_penalty != 0.0
+                or s.frequency_penalty != 0.0
+                or s.repetition_penalty != 1.0
+                for s in specs
+            ),
+            max_top_k=max(top_ks, default=0),
+        )
+
+    def select(self, rows: torch.Tensor) -> SamplingTensors:
+        """The sampling rows `rows` [M] int64 that are not greedy (as `sampled_rows`)."""
+        return dataclasses.replace(
+            self,
+            **{name: getattr(self, name).index_select(0, rows) for name in _ROW_FIELDS},
+            sampled_rows=None,
+            num_rows=rows.shape[0],
+            all_greedy=False,
+            any_greedy=False,
+        )
+
+
+_ROW_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "top_k",
+    "seed",
+    "step",
+    "greedy",
+)
+
+
+# -- penalties ---------------------------------------------------------------------------------
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    output_counts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+) -> torch.Tensor:
+    """logits [N, V] float32, output_counts [N, V] int (occurrences of each token in the row's
+    output so far), prompt_mask [N, V] bool -> penalised logits [N, V] float32 (a new tensor;
+    the input itself when no row has a penalty)."""
+    if not st.use_penalties:
+        return logits
+    counts = output_counts.to(logits.dtype)  # [N, V]
+    seen = prompt_mask | (output_counts > 0)  # [N, V]
+    rep = st.repetition_penalty[:, None]  # [N, 1]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, penalised, logits)
+    out = out - st.frequency_penalty[:, None] * counts
+    return out - st.presence_penalty[:, None] * (output_counts > 0).to(logits.dtype)
+
+
+def update_output_counts(
+    counts: torch.Tensor, slots: torch.Tensor, token_ids: torch.Tensor
+) -> None:
+    """In place: counts [S, V] int += one per emitted token. slots [M] int64, token_ids [M, T]
+    int64 padded with -1 (padding adds nothing)."""
+    vocab = counts.shape[1]
+    valid = token_ids >= 0  # [M, T]
+    flat = slots[:, None] * vocab + token_ids.clamp(min=0)  # [M, T]
+    counts.view(-1).scatter_add_(0, flat.reshape(-1), valid.reshape(-1).to(counts.dtype))
+
+
+def mark_tokens(mask: torch.Tensor, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """In place: mask[slot, token] = True for the listed tokens (e.g. a prompt at slot setup).
+    mask [S, V] bool, slots [M] int64, token_ids [M, T] int64 padded with -1."""
+    vocab = mask.shape[1]
+    valid = token_ids >= 0  # [M, T]
+    flat = slots[:, None] * vocab + token_ids.clamp(min=0)  # [M, T]
+    # amax with 0 for padding leaves whatever the padding index already holds.
+    mask.view(torch.uint8).view(-1).scatter_reduce_(
+        0, flat.reshape(-1), valid.reshape(-1).to(torch.uint8), "amax"
+    )
+
+
+def clear_slots(table: torch.Tensor, slots: torch.Tensor) -> None:
+    """In place: zero the rows of released slots in a per-slot count or mask table [S, V]."""
+    table.index_fill_(0, slots, 0)
+
+
+def gather_row_counts(
+    counts: torch.Tensor, row_slots: torch.Tensor, preceding_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row output counts [N, V] from the per-slot table counts [S, V]. row_slots [N] int64.
+    preceding_ids [N, D] int64 (-1 padded): tokens that count as output for that row only, such
+    as the drafts before a speculative row, which would be outputs if accepted."""
+    rows = counts.index_select(0, row_slots)  # [N, V]
+    if preceding_ids is not None and preceding_ids.numel():
+        valid = preceding_ids >= 0  # [N, D]
+        rows.scatter_add_(1, preceding_ids.clamp(min=0), valid.to(rows.dtype))
+    return rows
+
+
+# -- distributions -----------------------------------------------------------------------------
+
+
+def _filter_logits(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Top-k, then top-p, then min-p, as -inf masks on temperature-scaled logits [N, V]."""
+    vocab = scaled.shape[-1]
+    if st.use_top_k:
+        k = min(st.max_top_k, vocab)
+        top_vals = torch.topk(scaled, k, dim=-1).values  # [N, k], descending
+        kth = top_vals.gather(1, (st.top_k.clamp(max=k) - 1)[:, None])  # [N, 1]
+        keep_all = (st.top_k >= vocab)[:, None]  # [N, 1]: rows without top-k
+        scaled = scaled.masked_fill(~keep_all & (scaled < kth), _NEG_INF)
+    if st.use_top_p:
+        sorted_vals, order = scaled.sort(dim=-1, descending=True)  # [N, V]
+        sorted_probs = sorted_vals.softmax(dim=-1)  # [N, V]
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V], exclusive
+        # Keep a token while the mass of the better ones is still short of top_p; the best
+        # token is always kept. Rows with top_p == 1 keep everything despite rounding.
+        drop_sorted = (mass_before >= st.top_p[:, None]) & (st.top_p < 1.0)[:, None]
+        drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, _NEG_INF)
+    if st.use_min_p:
+        # p_v >= min_p * p_max  <=>  logit_v >= logit_max + log(min_p); min_p = 0 keeps all.
+        floor = scaled.amax(dim=-1, keepdim=True) + torch.log(st.min_p)[:, None]  # [N, 1]
+        scaled = scaled.masked_fill(scaled < floor, _NEG_INF)
+    return scaled
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.zeros_like(logits, dtype=torch.float32)  # [N, V]
+    return probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def process_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Penalised logits [N, V] -> the distribution each row samples from, probs [N, V] float32
+    (rows sum to 1; greedy rows are a one-hot of their argmax)."""
+    logits = logits.float()
+    if st.all_greedy:
+        return _one_hot_argmax(logits)
+    scaled = _filter_logits(logits / st.temperature[:, None], st)  # [N, V]
+    probs = scaled.softmax(dim=-1)  # [N, V]
+    if st.any_greedy:
+        probs = torch.where(st.greedy[:, None], _one_hot_argmax(logits), probs)
+    return probs
+
+
+def sample_from_probs(
+    probs: torch.Tensor, st: SamplingTensors, stream: int = Stream.SAMPLE
+) -> torch.Tensor:
+    """probs [N, V] (non-negative, rows need not be normalised) -> token ids [N] int64.
+
+    argmax_v p_v / E_v with independent E_v ~ Exp(1) picks v with probability p_v / sum(p)
+    (the minimum of independent exponentials with rates p_v is attained at v with that
+    probability). Tokens with p_v = 0 never win."""
+    race = rng.exponentials(st.seed, st.step, stream, probs.shape[-1])  # [N, V]
+    return (probs / race).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Penalised logits [N, V] -> token ids [N] int64: argmax for greedy rows, a seeded draw
+    from `process_logits` for the others."""
+    greedy_ids = logits.argmax(dim=-1)  # [N]
+    if st.all_greedy:
+        return greedy_ids
+    if st.sampled_rows is None:  # no greedy rows
+        return sample_from_probs(process_logits(logits, st), st)
+    # Mixed batch: the race over the vocabulary only for the rows that need it.
+    sub = st.select(st.sampled_rows)
+    sampled_ids = sample_from_probs(process_logits(logits[st.sampled_rows], sub), sub)  # [M]
+    return greedy_ids.index_copy(0, st.sampled_rows, sampled_ids)
+
+
+def uniforms(st: SamplingTensors, num: int, stream: int = Stream.ACCEPT) -> torch.Tensor:
+    """[N, num] float32 in (0, 1) from each row's (seed, step): e.g. the acceptance tests of
+    rejection sampling. Independent of the numbers `sample` uses (another stream)."""
+    return rng.uniforms(st.seed, st.step, stream, num)
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Penalised logits [N, V], token_ids [N] -> (chosen_logprob [N] float32,
+    top_ids [N, k] int64, top_logprobs [N, k] float32), best first.
+
+    These are log-probabilities of the model's distribution after penalties, before temperature,
+    top-k, top-p and min-p (see the module docstring). k = 0 gives empty [N, 0] tensors."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    chosen = logprobs.gather(1, token_ids.long()[:, None])[:, 0]  # [N]
+    if k <= 0:
+        empty = logprobs.new_empty((logprobs.shape[0], 0))
+        return chosen, empty.long(), empty
+    top_logprobs, top_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+    return chosen, top_ids, top_logprobs
