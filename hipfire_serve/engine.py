@@ -22,7 +22,7 @@ from executor.loader import load_model
 from executor.model import Model
 from executor.round_executor import RoundExecutor
 from hipfire_serve.config import EngineConfig
-from hipfire_serve.tokenizer import OutputStream, Tokenizer
+from hipfire_serve.tokenizer import OutputStream, StreamStep, Tokenizer
 from hipfire_serve.types import CompletionOutput, RequestOutput, SamplingParams
 from scheduler.cost_model import CostModel
 from scheduler.kv_blocks import num_blocks_for
@@ -103,6 +103,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+RANDOM_PREFIX = "random:"
+
+
+class _TokenOnlyStream:
+    """Output stream of a model without a tokenizer (random weights): ids only, no text."""
+
+    def push(self, new_ids):
+        return StreamStep("", None, len(new_ids))
+
+    def finish(self):
+        return StreamStep("", None, 0)
+
+
 def resolve_model_dirs(config: EngineConfig) -> tuple[Path, str]:
     """Returns (target dir, drafter spec: a directory, 'ngram', 'synthetic' or 'none')."""
     if config.model == "demo":
@@ -123,14 +136,23 @@ class Engine:
         self.device = resolve_device(config.device)
         target_dir, draft_spec = resolve_model_dirs(config)
         self.target_dir, self.draft_spec = target_dir, draft_spec
-        self.tokenizer = Tokenizer.from_dir(target_dir)
-        self.target: Model = load_model(target_dir, dtype=config.dtype, device=self.device)
-        self.model_name = target_dir.name if config.model != "demo" else "hipfire-demo"
+        self.tokenizer: Tokenizer | None
+        if config.model.startswith(RANDOM_PREFIX):
+            # random weights of a real shape: benchmarks only, token-id prompts, no text
+            self.tokenizer = None
+            self.target: Model = self._random_model(config.model)
+            self.model_name = config.model
+        else:
+            self.tokenizer = Tokenizer.from_dir(target_dir)
+            self.target = load_model(target_dir, dtype=config.dtype, device=self.device)
+            self.model_name = target_dir.name if config.model != "demo" else "hipfire-demo"
         limit = config.max_model_len or self.target.config.max_position
         self.max_model_len = min(limit, self.target.config.max_position)
 
         draft_model = None
-        if draft_spec not in ("none", "ngram", "synthetic"):
+        if draft_spec.startswith(RANDOM_PREFIX):
+            draft_model = self._random_model(draft_spec, seed=1)
+        elif draft_spec not in ("none", "ngram", "synthetic"):
             draft_model = load_model(
                 draft_spec, dtype=str(self.target.dtype).split(".")[-1], device=self.device
             )
@@ -164,7 +186,8 @@ class Engine:
             max_slots=slots,
             max_model_len=self.max_model_len + config.spec_depth,
             drafter=self.drafter,
-            base_seed=config.seed, graphs=config.graphs,
+            base_seed=config.seed,
+            graphs=config.graphs,
             max_graph_rows=slots * config.spec_depth,
         )
         self.scheduler = Scheduler(
@@ -190,6 +213,17 @@ class Engine:
         self._num_switches = 0
 
     # -- set-up helpers ---------------------------------------------------------------------
+    def _random_model(self, spec: str, seed: int = 0) -> Model:
+        from executor.loader import resolve_dtype
+        from executor.random_model import PRESETS, random_model
+
+        name = spec[len(RANDOM_PREFIX) :]
+        if name not in PRESETS:
+            raise ValueError(f"unknown random model {name!r} (choose {', '.join(PRESETS)})")
+        dtype = resolve_dtype(self.config.dtype, PRESETS[name], self.device)
+        max_pos = min(PRESETS[name].max_position, self.config.max_model_len or 8192) + 64
+        return random_model(name, device=self.device, dtype=dtype, seed=seed, max_position=max_pos)
+
     def _load_cost_model(self) -> CostModel | None:
         """The scheduler's cost model: the given profile, or for 'auto' the cached profile of
         these models on this device (`hipfire-serve profile` writes it); None falls back to the
@@ -198,9 +232,14 @@ class Engine:
         if path == "auto":
             from executor.profiler import cached_profile_path, profile_key
 
-            key = profile_key(str(self.target_dir), self.draft_spec, self.device,
-                              self.target.dtype, self.config.block_size,
-                              self.config.max_concurrency)
+            key = profile_key(
+                str(self.target_dir),
+                self.draft_spec,
+                self.device,
+                self.target.dtype,
+                self.config.block_size,
+                self.config.max_concurrency,
+            )
             cached = cached_profile_path(key)
             if not cached.is_file():
                 log.info("no cost profile cached for this set-up (run `hipfire-serve profile`)")
@@ -247,6 +286,8 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_name} has no tokenizer: send token ids")
             prompt_ids = self.tokenizer.encode(prompt)
             prompt_text: str | None = prompt
         else:
@@ -260,7 +301,10 @@ class Engine:
             raise ValueError("prompt is empty")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthError(len(prompt_ids), params.max_tokens, self.max_model_len)
-        eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
+        eos_ids = (
+            self.tokenizer.eos_token_ids if self.tokenizer else self.target.config.eos_token_ids
+        )
+        eos = () if params.ignore_eos else tuple(eos_ids)
         now = time.monotonic() if arrival_time is None else arrival_time
         choice_ids = []
         specs = []
