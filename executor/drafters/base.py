@@ -18,6 +18,10 @@ class DraftRequest:
     slot: int
     context: list[int]  # committed tokens; context[-1] is the last token (its KV not yet written)
     num_draft: int
+    # The request's sampling temperature. Drafters that sample (draft-model) draw non-greedy
+    # drafts at it; any draft distribution keeps rejection sampling exact, a matching
+    # temperature only raises acceptance.
+    temperature: float = 1.0
 
 
 @dataclass

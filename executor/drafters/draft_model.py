@@ -1,0 +1,236 @@
+"""Draft-model drafting: a small model with the target's tokenizer proposes a chain of tokens.
+
+One round of drafting for all speculating requests together:
+
+    step 0   one ragged forward: per request the context tokens the drafter has no KV for yet
+             (catch-up after AR rounds or a prefill, at least the last committed token); the last
+             row of each request yields draft x_1;
+    step j   one forward of one row per request that still drafts: x_j at its position, yielding
+             x_{j+1} (j = 1 .. num_draft - 1).
+
+The drafter keeps its own paged KV cache, indexed by the *target's* block ids: every position the
+drafter writes in a round (the catch-up positions, then `len(context) - 1 + j` for j < num_draft)
+lies below `num_computed + 1 + num_draft`, which the scheduler has already allocated blocks for, and
+the valid draft KV after the round (see `commit`) never reaches past the target's committed length,
+whose blocks the scheduler keeps. So no second allocator is needed; the cache only doubles the
+bytes per block (`KVCache.blocks_for_budget` counts both models).
+
+Draft probabilities: a greedy request drafts the argmax. A sampled request draws x_j from
+`q = softmax(draft_logits / temperature)` at the request's temperature (no top-k/top-p: rejection
+sampling is exact for any q the drafts were really drawn from, so q only has to be honest) and
+`DraftBatch.probs` keeps q for every draft row; greedy rows there hold the point mass of their
+argmax. The draft model must share the target's vocabulary (the rows are indexed by token id).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from executor.drafters.base import DraftBatch, DraftRequest
+from executor.kv_cache import KVCache
+from executor.model import AttnMetadata, Model
+
+
+class DraftModelDrafter:
+    name = "draft-model"
+    has_probs = True
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_slots: int,
+        max_model_len: int,
+        seed: int = 0,
+    ):
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        # drafting writes positions below this (the draft model's rope table may be shorter)
+        self.max_position = min(max_model_len, model.max_position)
+        self.kv = KVCache.allocate(
+            model.config,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=model.dtype,
+            device=model.device,
+        )
+        # Per slot: positions [0, kv_len) hold valid draft KV for the slot's committed context.
+        self.kv_len = np.zeros(max_slots, dtype=np.int64)  # [max_slots]
+        # The executor's host block table [max_slots, max_blocks_per_seq] int32, shared by
+        # reference: the executor writes a round's new block ids before it asks for drafts.
+        self.block_tables: np.ndarray | None = None
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def bind_block_tables(self, block_tables: np.ndarray) -> None:
+        """Called once by the executor with its block table; the drafter only reads it."""
+        self.block_tables = block_tables
+
+    # -- slot lifecycle -----------------------------------------------------------------------
+    def setup(self, slot: int, context: list[int]) -> None:
+        self.kv_len[slot] = 0  # nothing drafted yet: the first SPEC round catches up
+
+    def release(self, slot: int) -> None:
+        self.kv_len[slot] = 0
+
+    def commit(self, slot: int, context: list[int], num_accepted: int, num_draft: int) -> None:
+        """After a SPEC round that started from L = len(context) - num_accepted - 1 committed
+        tokens, the draft KV is valid through the accepted drafts: positions below
+        L + min(num_accepted, num_draft - 1) (the last draft was never fed, so a fully accepted
+        chain lacks its KV). After AR and prefill rounds the drafter lags and catches up later."""
+        if num_draft > 0:
+            prev_len = len(context) - num_accepted - 1
+            valid_len = prev_len + min(num_accepted, num_draft - 1)
+            self.kv_len[slot] = min(int(self.kv_len[slot]), valid_len)
+        else:
+            self.kv_len[slot] = min(int(self.kv_len[slot]), len(context) - 1)
+
+    # -- drafting -----------------------------------------------------------------------------
+    def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch:
+        if self.block_tables is None:
+            raise RuntimeError("DraftModelDrafter needs the executor's block table (bind it)")
+        t0 = time.perf_counter()
+        num_reqs = len(requests)
+        num_drafts = [r.num_draft for r in requests]
+        max_draft = max(num_drafts, default=0)
+        vocab = self.model.config.vocab_size
+        dev = self.device
+        temps = [0.0 if g else max(r.temperature, 1e-5) for r, g in zip(requests, greedy)]
+        any_sampled = any(t > 0.0 for t in temps)
+        draft_offsets = np.concatenate([[0], np.cumsum(num_drafts)]).astype(np.int64)
+        probs = (
+            torch.zeros(int(draft_offsets[-1]), vocab, dtype=torch.float32, device=dev)
+            if any_sampled
+            else None
+        )  # [sum(num_draft), vocab]
+        draft_tokens = torch.zeros(num_reqs, max(max_draft, 1), dtype=torch.int64, device=dev)
+        catchup_ms = 0.0
+        if max_draft == 0:
+            return DraftBatch(tokens=[[] for _ in requests], probs=probs)
+
+        # step 0: catch-up rows and the last committed token, one ragged forward
+        active = [i for i in range(num_reqs) if num_drafts[i] > 0]
+        first_pos, num_rows, input_ids = [], [], []
+        for i in active:
+            r = requests[i]
+            ctx_len = len(r.context)
+            if ctx_len + r.num_draft - 1 > self.max_position:
+                raise ValueError(
+                    f"slot {r.slot}: drafting {r.num_draft} tokens after {ctx_len} would write "
+                    f"position {ctx_len + r.num_draft - 2}; the drafter covers {self.max_position}"
+                )
+            start = min(int(self.kv_len[r.slot]), ctx_len - 1)
+            first_pos.append(start)
+            num_rows.append(ctx_len - start)
+            input_ids += r.context[start:]
+        num_catchup_rows = sum(num_rows) - len(active)
+        ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        last_rows = torch.tensor(np.cumsum(num_rows) - 1, dtype=torch.int64, device=dev)
+        hidden = self._forward(ids_t, [requests[i].slot for i in active], first_pos, num_rows)
+        self._pick(hidden[last_rows], active, 0, temps, draft_offsets, draft_tokens, probs)
+        if num_catchup_rows:
+            self._sync()
+        t_first = time.perf_counter()
+        for i in active:
+            r = requests[i]
+            # the whole context now has draft KV; drafts follow (valid only once accepted)
+            self.kv_len[r.slot] = len(r.context) + r.num_draft - 1
+
+        # steps 1 .. max_draft-1: one row per request still drafting
+        for j in range(1, max_draft):
+            active = [i for i in active if num_drafts[i] > j]
+            active_t = torch.tensor(active, dtype=torch.int64, device=dev)
+            ids_t = draft_tokens[active_t, j - 1]  # [num_active]
+            positions = [len(requests[i].context) - 1 + j for i in active]
+            hidden = self._forward(
+                ids_t, [requests[i].slot for i in active], positions, [1] * len(active)
+            )
+            self._pick(hidden, active, j, temps, draft_offsets, draft_tokens, probs)
+
+        tokens_host = draft_tokens.tolist()  # the one device->host copy of the drafts
+        t_end = time.perf_counter()
+        if num_catchup_rows:
+            first_ms = (t_first - t0) * 1e3
+            if max_draft > 1:
+                # what step 0 cost beyond a plain chain step
+                step_ms = (t_end - t_first) * 1e3 / (max_draft - 1)
+                catchup_ms = max(first_ms - step_ms, 0.0)
+            else:
+                catchup_ms = first_ms * num_catchup_rows / (num_catchup_rows + len(num_rows))
+        tokens = [tokens_host[i][: num_drafts[i]] for i in range(num_reqs)]
+        return DraftBatch(
+            tokens=tokens,
+            probs=probs,
+            catchup_ms=catchup_ms,
+            extra={"num_catchup_rows": num_catchup_rows},
+        )
+
+    def _forward(
+        self, ids: torch.Tensor, slots: list[int], first_pos: list[int], num_rows: list[int]
+    ) -> torch.Tensor:
+        """Ragged forward of `num_rows[s]` consecutive rows per sequence starting at position
+        `first_pos[s]`, K/V written into the draft cache. Returns the final hidden states of
+        every row [sum(num_rows), hidden]."""
+        assert self.block_tables is not None
+        bs = self.block_size
+        rows_slot = np.repeat(np.asarray(slots, dtype=np.int64), num_rows)  # [num_rows]
+        pos_np = np.concatenate(
+            [np.arange(p, p + n, dtype=np.int64) for p, n in zip(first_pos, num_rows)]
+        )  # [num_rows]
+        block_ids = self.block_tables[rows_slot, pos_np // bs].astype(np.int64)
+        slot_mapping = block_ids * bs + pos_np % bs  # [num_rows]
+        seq_lens = [p + n for p, n in zip(first_pos, num_rows)]
+        max_blocks = -(-max(seq_lens) // bs)
+        dev = self.device
+        meta = AttnMetadata(
+            positions=torch.from_numpy(pos_np).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            cu_q_lens=torch.tensor(
+                np.concatenate([[0], np.cumsum(num_rows)]), dtype=torch.int32
+            ).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(
+                np.ascontiguousarray(self.block_tables[slots, :max_blocks])
+            ).to(dev, non_blocking=True),
+        )
+        return self.model.forward(ids, meta, self.kv.k, self.kv.v)  # [num_rows, hidden]
+
+    def _pick(
+        self,
+        hidden: torch.Tensor,  # [num_active, hidden] the rows that predict draft j
+        active: list[int],  # request indices of the rows
+        j: int,
+        temps: list[float],  # per request, 0 for greedy
+        draft_offsets: np.ndarray,  # [num_reqs + 1] first probs row of each request
+        draft_tokens: torch.Tensor,  # [num_reqs, max_draft] out
+        probs: torch.Tensor | None,  # [sum(num_draft), vocab] out
+    ) -> None:
+        dev = self.device
+        logits = self.model.logits(hidden)  # [num_active, vocab] float32
+        tokens = logits.argmax(dim=-1)  # [num_active]
+        if probs is not None:
+            # index lists are built on the host so that no step waits for the device
+            sampled = [k for k, i in enumerate(active) if temps[i] > 0.0]
+            greedy = [k for k, i in enumerate(active) if temps[i] <= 0.0]
+            rows = [int(draft_offsets[i]) + j for i in active]
+            if sampled:
+                sampled_t = torch.tensor(sampled, dtype=torch.int64, device=dev)
+                temps_t = torch.tensor([temps[active[k]] for k in sampled], device=dev)
+                q = torch.softmax(logits[sampled_t] / temps_t[:, None], dim=-1)  # [n_s, vocab]
+                tokens[sampled_t] = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
+                probs[torch.tensor([rows[k] for k in sampled], device=dev)] = q
+            if greedy:
+                greedy_t = torch.tensor(greedy, dtype=torch.int64, device=dev)
+                greedy_rows = torch.tensor([rows[k] for k in greedy], device=dev)
+                probs[greedy_rows, tokens[greedy_t]] = 1.0  # point mass of the argmax
+        draft_tokens[torch.tensor(active, dtype=torch.int64, device=dev), j] = tokens
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

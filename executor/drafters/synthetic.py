@@ -1,0 +1,143 @@
+"""SYNTHETIC drafter, for benchmarks only: it fakes acceptance and drafts no real tokens.
+
+It lets a benchmark run the real target and the real scheduler with the acceptance behaviour of a
+drafter one does not have (e.g. a block drafter with published acceptance numbers), as an
+acceptance profile describes it (`profiles/acceptance.json`, one list of classes per cohort):
+
+- each request draws a class by weight when it enters a slot;
+- within the request a two-state Markov chain (easy / hard) moves one step per generated token,
+  from `easy` to `hard` with probability `p_easy_to_hard` and back with `p_hard_to_easy`; the first
+  generated token's state is drawn from the chain's stationary distribution
+      pi_easy = p_hard_to_easy / (p_easy_to_hard + p_hard_to_easy);
+- a drafted position is accepted with the probability of the state of the token it stands for,
+  and the chain of drafts stops at the first rejection.
+
+The state path and the acceptance coin of every generated token index are drawn once per request
+from its own random stream, so a request's acceptance trace does not depend on how the policy
+splits it into AR and SPEC rounds: policies are compared on the same traces.
+
+Proposals are placeholder tokens; `DraftBatch.forced_accept` carries the accepted count and the
+executor emits the *target's own* tokens with that length, so outputs stay the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from executor.drafters.base import DraftBatch, DraftRequest
+
+# trace entries drawn at a time when a request's trace runs out
+_TRACE_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class AcceptanceClass:
+    weight: float
+    easy: float  # acceptance probability of a position in the easy state
+    hard: float
+    p_easy_to_hard: float
+    p_hard_to_easy: float
+
+    @property
+    def stationary_easy(self) -> float:
+        switch = self.p_easy_to_hard + self.p_hard_to_easy
+        return self.p_hard_to_easy / switch if switch > 0 else 1.0
+
+    @property
+    def stationary_acceptance(self) -> float:
+        pi = self.stationary_easy
+        return pi * self.easy + (1.0 - pi) * self.hard
+
+
+def load_cohort(path: str | Path, cohort: str) -> list[AcceptanceClass]:
+    profile = json.loads(Path(path).read_text())
+    cohorts = profile.get("cohorts", {})
+    if cohort not in cohorts:
+        raise ValueError(
+            f"acceptance profile {Path(path).name} has no cohort {cohort!r} "
+            f"(has: {', '.join(sorted(cohorts))})"
+        )
+    classes = [
+        AcceptanceClass(
+            weight=float(c["weight"]),
+            easy=float(c["easy"]),
+            hard=float(c["hard"]),
+            p_easy_to_hard=float(c["p_easy_to_hard"]),
+            p_hard_to_easy=float(c["p_hard_to_easy"]),
+        )
+        for c in cohorts[cohort]
+    ]
+    if not classes or sum(c.weight for c in classes) <= 0:
+        raise ValueError(f"cohort {cohort!r} has no class with a positive weight")
+    return classes
+
+
+class _Trace:
+    """One request's acceptance trace: `accepted[k]` says whether a draft standing for its k-th
+    generated token would be accepted."""
+
+    def __init__(self, cls: AcceptanceClass, rng: np.random.Generator):
+        self.cls = cls
+        self.rng = rng
+        self.easy = rng.random() < cls.stationary_easy  # state of generated token 0
+        self.accepted: list[bool] = []
+
+    def extend_to(self, num_tokens: int) -> None:
+        c = self.cls
+        while len(self.accepted) < num_tokens:
+            coins = self.rng.random((_TRACE_CHUNK, 2))  # [chunk, (accept, switch)]
+            for accept_u, switch_u in coins:
+                self.accepted.append(bool(accept_u < (c.easy if self.easy else c.hard)))
+                switch_p = c.p_easy_to_hard if self.easy else c.p_hard_to_easy
+                if switch_u < switch_p:
+                    self.easy = not self.easy
+
+    def num_accepted(self, first_token: int, num_draft: int) -> int:
+        """Accepted chain length of drafts for generated tokens first_token .. + num_draft."""
+        self.extend_to(first_token + num_draft)
+        n = 0
+        while n < num_draft and self.accepted[first_token + n]:
+            n += 1
+        return n
+
+
+class SyntheticDrafter:
+    name = "synthetic"
+    has_probs = False
+
+    def __init__(self, acceptance_profile_path: str | Path, cohort: str, seed: int = 0):
+        self.classes = load_cohort(acceptance_profile_path, cohort)
+        self.cohort = cohort
+        self.seed = seed
+        weights = np.asarray([c.weight for c in self.classes], dtype=np.float64)
+        self._class_p = weights / weights.sum()  # [num_classes]
+        self._num_setups = 0  # gives every request entering a slot its own random stream
+        self._traces: dict[int, _Trace] = {}  # slot -> trace
+        self._base_len: dict[int, int] = {}  # slot -> context length at set-up
+
+    def setup(self, slot: int, context: list[int]) -> None:
+        rng = np.random.default_rng([self.seed, self._num_setups])
+        self._num_setups += 1
+        cls = self.classes[int(rng.choice(len(self.classes), p=self._class_p))]
+        self._traces[slot] = _Trace(cls, rng)
+        self._base_len[slot] = len(context)
+
+    def release(self, slot: int) -> None:
+        self._traces.pop(slot, None)
+        self._base_len.pop(slot, None)
+
+    def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch:
+        tokens, forced = [], []
+        for r in requests:
+            # drafts stand for the generated tokens at context positions len(context) ..
+            first_token = len(r.context) - self._base_len[r.slot]
+            forced.append(self._traces[r.slot].num_accepted(first_token, r.num_draft))
+            tokens.append([r.context[-1]] * r.num_draft)  # placeholders, never compared
+        return DraftBatch(tokens=tokens, forced_accept=forced)
+
+    def commit(self, slot: int, context: list[int], num_accepted: int, num_draft: int) -> None:
+        pass  # the trace is indexed by generated token, nothing moves per round

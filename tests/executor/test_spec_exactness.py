@@ -1,0 +1,413 @@
+"""Speculative exactness: whatever the per-round AR/SPEC choices and depths, greedy output equals
+plain AR greedy token for token, and sampled output has the target's distribution.
+
+Rounds are driven by the real `Scheduler` with a policy that draws every request's mode and depth
+at random each round (so requests switch between AR and SPEC all the time and drafters have to
+catch up), through the real `RoundExecutor`, with the ngram drafter and the draft-model drafter
+(a second tiny model, and the target drafting for itself so that whole chains are accepted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from executor.drafters.draft_model import DraftModelDrafter
+from executor.drafters.ngram import NgramDrafter
+from executor.loader import load_model
+from executor.model import Model
+from executor.round_executor import RoundExecutor
+from scheduler.plan import Mode, RoundPlan, SamplingSpec
+from scheduler.policy import Decision
+from scheduler.request import RequestSpec
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.fixtures.tiny_models import make_tiny_model
+
+BLOCK_SIZE = 8
+MAX_MODEL_LEN = 160
+SPEC_DEPTH = 16  # rows per speculating request at most: up to 15 drafts
+GREEDY = SamplingSpec(temperature=0.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning
+    threads make each op milliseconds slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Model]:
+    target_dir = make_tiny_model(tmp_path_factory.mktemp("target"), "llama", seed=0)
+    draft_dir = make_tiny_model(tmp_path_factory.mktemp("draft"), "qwen3", seed=1)
+    return {
+        "target": load_model(target_dir, dtype="float32"),
+        "draft": load_model(draft_dir, dtype="float32"),
+    }
+
+
+# -- harness ----------------------------------------------------------------------------------
+class RandomDepthPolicy:
+    """Every round, each decoding request speculates with probability `p_spec`, at a depth drawn
+    uniformly from 2..spec_depth. Depths are not capped by the tokens a request has left, so
+    chains run past max_tokens and stops land inside accepted runs."""
+
+    name = "random-depth"
+
+    def __init__(self, rng: np.random.Generator, p_spec: float = 0.5):
+        self.rng = rng
+        self.p_spec = p_spec
+
+    def decide(self, view, estimator, cost_model) -> Decision:
+        n = len(view.req_ids)
+        spec = (self.rng.random(n) < self.p_spec) & view.may_spec
+        depth_rows = self.rng.integers(2, view.max_drafts + 2, n)  # [n] in 2..spec_depth
+        return Decision(np.where(spec, depth_rows - 1, 0).astype(np.int64), "random depths")
+
+
+@dataclass
+class RunLog:
+    outputs: dict[int, list[int]] = field(default_factory=dict)
+    finish: dict[int, str] = field(default_factory=dict)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    longest_accepted: int = 0
+    num_spec_rows: int = 0
+    num_ar_rows: int = 0
+    num_stops_inside_run: int = 0  # rounds whose emitted tokens were cut by a stop
+    mode_switches: int = 0
+
+
+def make_drafter(kind: str, models: dict[str, Model], num_blocks: int, max_slots: int):
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return NgramDrafter()
+    model = models["target"] if kind == "draft-self" else models["draft"]
+    return DraftModelDrafter(
+        model,
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        max_slots=max_slots,
+        max_model_len=MAX_MODEL_LEN + SPEC_DEPTH,
+    )
+
+
+def make_executor(target: Model, drafter, num_blocks: int, max_slots: int) -> RoundExecutor:
+    ex = RoundExecutor(
+        target,
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        max_slots=max_slots,
+        max_model_len=MAX_MODEL_LEN + SPEC_DEPTH,
+        drafter=drafter,
+    )
+    if isinstance(drafter, DraftModelDrafter):
+        drafter.bind_block_tables(ex.block_tables)
+    return ex
+
+
+def run_requests(
+    models: dict[str, Model],
+    specs: list[RequestSpec],
+    drafter_kind: str,
+    rng: np.random.Generator,
+    *,
+    p_spec: float = 0.5,
+    max_slots: int = 4,
+    num_blocks: int = 160,
+    max_prefill_tokens: int = 24,
+    on_plan=None,
+) -> RunLog:
+    """Runs `specs` to completion; asserts the KV pool is back to idle at the end."""
+    drafter = make_drafter(drafter_kind, models, num_blocks, max_slots)
+    has_drafter = drafter is not None
+    sched = Scheduler(
+        SchedulerConfig(
+            max_concurrency=max_slots,
+            spec_mode="adaptive" if has_drafter else "ar",
+            spec_depth=SPEC_DEPTH,
+            block_size=BLOCK_SIZE,
+            max_prefill_tokens=max_prefill_tokens,
+            max_model_len=MAX_MODEL_LEN,
+            has_drafter=has_drafter,
+        ),
+        num_kv_blocks=num_blocks,
+        policy=RandomDepthPolicy(rng, p_spec) if has_drafter else None,
+    )
+    ex = make_executor(models["target"], drafter, num_blocks, max_slots)
+    for s in specs:
+        sched.add_request(s)
+    log = RunLog(outputs={s.req_id: [] for s in specs})
+    last_mode: dict[int, Mode] = {}
+    num_rounds = 0
+    while sched.has_work():
+        num_rounds += 1
+        assert num_rounds < 2000, "requests did not finish"
+        plan = sched.plan(float(num_rounds))
+        if on_plan is not None:
+            on_plan(plan, sched)
+        result = ex.run(plan)
+        emitted = {r.req_id: len(r.token_ids) for r in result.reqs}
+        for r in plan.reqs:
+            if r.mode == Mode.SPEC:
+                log.num_spec_rows += r.num_new
+            elif r.mode == Mode.AR:
+                log.num_ar_rows += 1
+            if r.mode != Mode.PREFILL:
+                if r.req_id in last_mode and last_mode[r.req_id] != r.mode:
+                    log.mode_switches += 1
+                last_mode[r.req_id] = r.mode
+        for rr in result.reqs:
+            log.longest_accepted = max(log.longest_accepted, rr.num_accepted)
+        for d in sched.update(result, float(num_rounds)):
+            log.outputs[d.req_id] += d.token_ids
+            log.num_drafted += d.num_drafted
+            log.num_accepted += d.num_accepted
+            if d.finish_reason is not None:
+                log.finish[d.req_id] = d.finish_reason
+                if len(d.token_ids) < emitted[d.req_id]:
+                    log.num_stops_inside_run += 1
+    assert sched.num_running == 0 and sched.num_waiting == 0
+    assert sched.kv.num_free == sched.kv.num_total
+    sched.kv.check()
+    return log
+
+
+def random_prompt(rng: np.random.Generator, vocab: int) -> tuple[int, ...]:
+    """A prompt with some repetition in it, so prompt lookup finds matches."""
+    length = int(rng.integers(3, 40))
+    motif = rng.integers(1, vocab, int(rng.integers(2, 6))).tolist()
+    tokens = []
+    while len(tokens) < length:
+        tokens += motif if rng.random() < 0.4 else rng.integers(1, vocab, 3).tolist()
+    return tuple(tokens[:length])
+
+
+def ar_reference(models, prompts: list[tuple[int, ...]], max_tokens: list[int]) -> list[list[int]]:
+    specs = [
+        RequestSpec(req_id=i, prompt_token_ids=p, sampling=GREEDY, max_tokens=m)
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
+    log = run_requests(models, specs, "none", np.random.default_rng(0))
+    assert log.num_spec_rows == 0
+    return [log.outputs[i] for i in range(len(prompts))]
+
+
+def with_stops(rng, ref: list[int], max_tokens: int, req_id: int, prompt) -> tuple:
+    """A request whose stop token (EOS or a stop id) ends it at a random point of its AR
+    reference, with the output greedy decoding must then produce."""
+    spec = dict(req_id=req_id, prompt_token_ids=prompt, sampling=GREEDY, max_tokens=max_tokens)
+    expected, finish = list(ref), "length"
+    k = int(rng.integers(0, len(ref)))
+    if rng.random() < 0.6 and ref[k] not in ref[:k]:
+        if rng.random() < 0.5:
+            spec["eos_token_ids"] = (ref[k],)
+        else:
+            spec["stop_token_ids"] = (ref[k],)
+        expected, finish = ref[: k + 1], "stop"
+    return RequestSpec(**spec), expected, finish
+
+
+# -- greedy exactness -------------------------------------------------------------------------
+DRAFTERS = ("ngram", "draft-other", "draft-self")
+
+
+@pytest.mark.parametrize("drafter_kind", DRAFTERS)
+def test_greedy_spec_equals_ar_under_random_modes(models, drafter_kind):
+    vocab = models["target"].config.vocab_size
+    totals = RunLog()
+    for trial in range(3):
+        rng = np.random.default_rng([trial, DRAFTERS.index(drafter_kind)])
+        num_reqs = 6
+        prompts = [random_prompt(rng, vocab) for _ in range(num_reqs)]
+        max_tokens = [int(rng.integers(1, 48)) for _ in range(num_reqs)]
+        refs = ar_reference(models, prompts, max_tokens)
+        specs, expected, finish = zip(
+            *(with_stops(rng, refs[i], max_tokens[i], i, prompts[i]) for i in range(num_reqs))
+        )
+        log = run_requests(models, list(specs), drafter_kind, rng)
+        for i in range(num_reqs):
+            assert log.outputs[i] == expected[i], f"trial {trial} request {i}"
+            assert log.finish[i] == finish[i]
+        totals.num_drafted += log.num_drafted
+        totals.num_accepted += log.num_accepted
+        totals.num_spec_rows += log.num_spec_rows
+        totals.num_ar_rows += log.num_ar_rows
+        totals.num_stops_inside_run += log.num_stops_inside_run
+        totals.mode_switches += log.mode_switches
+        totals.longest_accepted = max(totals.longest_accepted, log.longest_accepted)
+    # the runs exercised what they claim to
+    assert totals.num_spec_rows > 0 and totals.num_ar_rows > 0 and totals.mode_switches > 10
+    assert totals.num_accepted > 0
+    if drafter_kind != "draft-other":
+        # a second random model rarely agrees with the target; these two have accepted runs
+        # long enough for stops to fall inside them
+        assert totals.num_stops_inside_run > 0
+    if drafter_kind == "draft-self":
+        # drafting with the target itself: (nearly) every draft is accepted, long chains pass
+        assert totals.num_accepted >= 0.97 * totals.num_drafted
+        assert totals.longest_accepted >= 10
+
+
+def test_draft_model_writes_stay_inside_blocks_the_plan_allocated(models):
+    """The drafter's KV writes land only in blocks the scheduler allocated to the request, at
+    the right table index, below num_computed + 1 + num_draft."""
+    rng = np.random.default_rng(7)
+    vocab = models["target"].config.vocab_size
+    specs = [
+        RequestSpec(
+            req_id=i,
+            prompt_token_ids=random_prompt(rng, vocab),
+            sampling=GREEDY,
+            max_tokens=int(rng.integers(10, 40)),
+        )
+        for i in range(6)
+    ]
+    state: dict = {}
+    num_checked = [0]
+
+    def on_plan(plan: RoundPlan, sched):
+        state["plan"], state["sched"] = plan, sched
+
+    draft_model = models["draft"]
+    original_forward = draft_model.forward
+
+    def checked_forward(input_ids, meta, k_caches, v_caches):
+        plan, sched = state["plan"], state["sched"]
+        owner = {}  # block id -> (plan req, index in its table)
+        for r in plan.reqs:
+            for idx, b in enumerate(sched.kv.blocks_of(r.req_id)):
+                owner[b] = (r, idx)
+        positions = meta.positions.tolist()
+        for pos, s in zip(positions, meta.slot_mapping.tolist()):
+            r, idx = owner[s // BLOCK_SIZE]
+            assert r.mode == Mode.SPEC
+            assert idx == pos // BLOCK_SIZE and s % BLOCK_SIZE == pos % BLOCK_SIZE
+            assert pos < r.num_computed + 1 + r.num_draft
+            num_checked[0] += 1
+        return original_forward(input_ids, meta, k_caches, v_caches)
+
+    draft_model.forward = checked_forward
+    try:
+        run_requests(models, specs, "draft-other", rng, max_slots=3, num_blocks=64, on_plan=on_plan)
+    finally:
+        del draft_model.forward
+    assert num_checked[0] > 100
+
+
+# -- sampled exactness ------------------------------------------------------------------------
+SMALL_VOCAB = 8
+NUM_SAMPLES = 3000
+TEMPERATURE = 1.0
+SAMPLED_TOKENS = 3  # the joint distribution of the first three emitted tokens is compared
+ALPHA = 1e-3  # significance: a correct implementation fails one seed in a thousand
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory) -> dict[str, Model]:
+    def make(name, arch, seed):
+        d = make_tiny_model(tmp_path_factory.mktemp(name), arch, seed=seed, vocab_size=SMALL_VOCAB)
+        return load_model(d, dtype="float32")
+
+    return {"target": make("small_target", "llama", 3), "draft": make("small_draft", "qwen3", 4)}
+
+
+def target_joint(model: Model, prompt: list[int], num_tokens: int, temperature: float):
+    """Exact probability of every continuation of `num_tokens` tokens: [vocab ** num_tokens],
+    by plain AR forwards of the target (one sequence at a time, no paging tricks)."""
+    vocab = model.config.vocab_size
+    probs = {(): 1.0}
+    for _ in range(num_tokens):
+        nxt = {}
+        for prefix, p in probs.items():
+            dist = next_token_probs(model, prompt + list(prefix), temperature)
+            for t in range(vocab):
+                nxt[(*prefix, t)] = p * float(dist[t])
+        probs = nxt
+    return probs
+
+
+def next_token_probs(model: Model, tokens: list[int], temperature: float) -> torch.Tensor:
+    from executor.kv_cache import KVCache
+    from executor.model import AttnMetadata
+
+    n = len(tokens)
+    num_blocks = -(-n // BLOCK_SIZE)
+    kv = KVCache.allocate(
+        model.config,
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+        dtype=model.dtype,
+        device=model.device,
+    )
+    meta = AttnMetadata(
+        positions=torch.arange(n),
+        slot_mapping=torch.arange(n),
+        cu_q_lens=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None, :],
+    )
+    hidden = model.forward(torch.tensor(tokens), meta, kv.k, kv.v)
+    logits = model.logits(hidden[-1:])[0].double()
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def chi_square_pvalue(counts: dict, probs: dict, num_samples: int) -> tuple[float, int]:
+    """Pearson chi-square of observed counts against exact cell probabilities; cells with an
+    expected count under 5 are pooled into one. Returns (p-value, degrees of freedom)."""
+    stat, dof = 0.0, -1
+    pooled_obs = pooled_exp = 0.0
+    for cell, p in probs.items():
+        expected = p * num_samples
+        observed = counts.get(cell, 0)
+        if expected < 5.0:
+            pooled_obs += observed
+            pooled_exp += expected
+            continue
+        stat += (observed - expected) ** 2 / expected
+        dof += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        dof += 1
+    # P(chi2_dof >= stat) = Q(dof / 2, stat / 2), the regularised upper incomplete gamma
+    pvalue = torch.special.gammaincc(
+        torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+    )
+    return float(pvalue), dof
+
+
+@pytest.mark.parametrize("drafter_kind", ("ngram", "draft-other"))
+def test_sampled_spec_has_the_target_distribution(small_models, drafter_kind):
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so prompt lookup drafts 3, 1, 2 ...
+    sampling = [SamplingSpec(temperature=TEMPERATURE, seed=1000 + i) for i in range(NUM_SAMPLES)]
+    specs = [
+        RequestSpec(req_id=i, prompt_token_ids=tuple(prompt), sampling=s, max_tokens=SAMPLED_TOKENS)
+        for i, s in enumerate(sampling)
+    ]
+    rng = np.random.default_rng(11)
+    log = run_requests(
+        small_models,
+        specs,
+        drafter_kind,
+        rng,
+        p_spec=1.0,
+        max_slots=64,
+        num_blocks=192,
+        max_prefill_tokens=512,
+    )
+    assert log.num_drafted > NUM_SAMPLES and log.num_accepted > 0
+    counts: dict[tuple[int, ...], int] = {}
+    for out in log.outputs.values():
+        assert len(out) == SAMPLED_TOKENS
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    probs = target_joint(small_models["target"], prompt, SAMPLED_TOKENS, TEMPERATURE)
+    pvalue, dof = chi_square_pvalue(counts, probs, NUM_SAMPLES)
+    assert dof >= 20  # enough informative cells for the test to have power
+    assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {dof} dof"
