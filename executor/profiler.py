@@ -114,10 +114,14 @@ class RoundTimer:
         self.spec_depth = spec_depth
         self.pool = BlockPool(executor.kv.num_blocks, executor.block_size)
 
-    def time_round(self, num_rows: int, kv_len: int, repeats: int) -> float:
+    def time_round(self, num_rows: int, kv_len: int, repeats: int,
+                   rows_per_seq: int | None = None) -> float:
+        """Median wall time (ms) of a round of `num_rows` rows at `kv_len` tokens of context
+        per sequence; `rows_per_seq` > 1 makes speculative groups of that many rows."""
         ex = self.ex
         max_slots = ex.max_slots
-        rows_per_seq = 1 if num_rows <= max_slots else -(-num_rows // max_slots)
+        if rows_per_seq is None:
+            rows_per_seq = 1 if num_rows <= max_slots else -(-num_rows // max_slots)
         if rows_per_seq > 1 and ex.drafter is None:
             raise ValueError(f"{num_rows} rows need speculative groups: load a drafter")
         num_seqs = -(-num_rows // rows_per_seq)
