@@ -1,0 +1,185 @@
+"""Round-time cost model: the executor's profile as a function, plus online calibration.
+
+Predicted round time (ms), following the profile's own description:
+
+    target(bucket(rows)) + kv_tokens * kv_bytes_per_token / kv_read_bandwidth
+      + drafter: one step over (num_spec + drafter_lag_rows) rows, then (d_max - 1) steps
+        over num_spec rows                      (a chain of depth d_max costs d_max steps)
+      + drafter prefill over the round's prefill rows (when the drafter follows prefills)
+
+`target(r)` interpolates the profiled dense cost (projections, MLP, LM head) between its points
+and extends the last segment linearly; attention is not in those numbers, hence the KV term with
+one KV scan per sequence. Rows are padded to the graph bucket (the profile's points) when the
+round is replayed from a graph.
+
+Calibration: every executed round compares the measured time with the uncorrected prediction
+and moves a per-shape-bucket correction (rows bucket x speculating or not) in log space, so an
+over- and an under-estimate of the same factor move it equally (symmetric). Each bucket keeps a
+confidence (decayed observation count); its correction is shrunk toward the all-bucket
+correction by that confidence, and confidence decays every round a bucket is not run. A shape
+that ran slow once early therefore drifts back to the profile's honest estimate and is tried
+again, instead of being locked out by a single warm-up measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+# Calibration constants (why these values):
+# - CALIB_ALPHA: EMA weight of one round; 0.2 averages ~5 rounds, enough to smooth the few-%
+#   noise of measured round times while following a real shift within ~10 rounds.
+# - CALIB_PRIOR_COUNT: pseudo-observations behind the all-bucket correction; a bucket needs about
+#   this many runs before its own correction is trusted half-way.
+# - CALIB_DECAY: per-round confidence decay of every bucket; 0.995 halves confidence after ~140
+#   rounds without running it (a few seconds of serving), then the shape is re-probed.
+CALIB_ALPHA = 0.2
+CALIB_PRIOR_COUNT = 3.0
+CALIB_DECAY = 0.995
+
+
+def _interp_linear_tail(x, xs: np.ndarray, ys: np.ndarray):
+    """Piecewise-linear interpolation that continues the last segment past the end and is
+    clamped to the first point below the start."""
+    y = np.interp(x, xs, ys)
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return np.where(x > xs[-1], ys[-1] + (np.asarray(x) - xs[-1]) * slope, y)
+
+
+class ProfileCost:
+    """The uncorrected cost curves of a profile JSON (the format of the shared H200 profile)."""
+
+    def __init__(self, profile: dict):
+        target = profile["target"]
+        rows_ms = np.asarray(target["rows_ms"], dtype=np.float64)  # [num_points, 2]
+        self.target_rows = rows_ms[:, 0]  # [num_points]
+        self.target_ms_points = rows_ms[:, 1]  # [num_points]
+        self.kv_ms_per_token = (
+            target["kv_bytes_per_token"] / (target["kv_read_TBps_assumed"] * 1e12) * 1e3
+        )
+        draft = profile.get("draft_model")
+        if draft:
+            draft_ms = np.asarray(draft["rows_ms_per_step"], dtype=np.float64)  # [points, 2]
+            self.draft_rows = draft_ms[:, 0]
+            self.draft_ms_points = draft_ms[:, 1]
+        else:
+            self.draft_rows = np.array([1.0, 2.0])
+            self.draft_ms_points = np.zeros(2)
+        # Graph buckets are the profiled row counts: these are the shapes that were measured.
+        self.row_buckets = np.asarray(self.target_rows, dtype=np.int64)  # [num_points]
+        self.name = profile.get("name", "profile")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ProfileCost:
+        with open(path) as f:
+            return cls(json.load(f))
+
+    def bucket(self, num_rows):
+        """Padded row count for graph replay; rows above the largest bucket run eagerly
+        (returned unpadded). Works on scalars and arrays."""
+        idx = np.searchsorted(self.row_buckets, num_rows)
+        idx_c = np.minimum(idx, len(self.row_buckets) - 1)
+        return np.where(idx < len(self.row_buckets), self.row_buckets[idx_c], num_rows)
+
+    def bucket_index(self, num_rows):
+        """Shape-bucket id of a row count (len(buckets) for eager shapes)."""
+        return np.searchsorted(self.row_buckets, num_rows)
+
+    def target_ms(self, num_rows):
+        return _interp_linear_tail(num_rows, self.target_rows, self.target_ms_points)
+
+    def draft_step_ms(self, num_rows):
+        return _interp_linear_tail(num_rows, self.draft_rows, self.draft_ms_points)
+
+    def attention_ms(self, num_kv_tokens):
+        return np.asarray(num_kv_tokens) * self.kv_ms_per_token
+
+    def round_ms(
+        self,
+        num_rows,
+        num_kv_tokens,
+        draft_depth=0,
+        num_spec=0,
+        drafter_lag_rows=0,
+        num_prefill_rows=0,
+        drafter_prefill=False,
+    ):
+        """Uncorrected round time in ms (scalars or broadcastable arrays). `num_rows` is padded
+        to its bucket here."""
+        t = self.target_ms(self.bucket(num_rows)) + self.attention_ms(num_kv_tokens)
+        draft_depth = np.asarray(draft_depth)
+        spec = draft_depth > 0
+        first = self.draft_step_ms(np.asarray(num_spec) + drafter_lag_rows)
+        rest = (np.maximum(draft_depth, 1) - 1) * self.draft_step_ms(np.maximum(num_spec, 1))
+        t = t + np.where(spec, first + rest, 0.0)
+        if drafter_prefill:
+            prefill = np.asarray(num_prefill_rows)
+            t = t + np.where(prefill > 0, self.draft_step_ms(np.maximum(prefill, 1)), 0.0)
+        return t
+
+
+class CostModel:
+    """ProfileCost with per-shape-bucket online correction (see module doc)."""
+
+    def __init__(self, profile: ProfileCost, drafter_prefill: bool = False):
+        self.profile = profile
+        self.drafter_prefill = drafter_prefill
+        num_shapes = len(profile.row_buckets) + 1
+        # [2, num_shapes]: row 0 AR-only rounds, row 1 rounds with a drafter chain.
+        self._log_corr = np.zeros((2, num_shapes))
+        self._count = np.zeros((2, num_shapes))
+        self._global_log_corr = 0.0
+        self._eff = np.ones((2, num_shapes))  # exp of the shrunk log correction
+        self.num_observations = 0
+
+    @classmethod
+    def from_file(cls, path: str | Path, drafter_prefill: bool = False) -> CostModel:
+        return cls(ProfileCost.from_file(path), drafter_prefill)
+
+    def correction(self, num_rows, has_spec) -> np.ndarray:
+        idx = self.profile.bucket_index(num_rows)
+        return self._eff[np.asarray(has_spec, dtype=np.int64), idx]
+
+    def predict_ms(
+        self,
+        num_rows,
+        num_kv_tokens,
+        draft_depth=0,
+        num_spec=0,
+        drafter_lag_rows=0,
+        num_prefill_rows=0,
+    ):
+        raw = self.profile.round_ms(
+            num_rows,
+            num_kv_tokens,
+            draft_depth,
+            num_spec,
+            drafter_lag_rows,
+            num_prefill_rows,
+            self.drafter_prefill,
+        )
+        return raw * self.correction(num_rows, np.asarray(draft_depth) > 0)
+
+    def observe(self, num_rows: int, has_spec: bool, raw_predicted_ms: float, measured_ms: float):
+        """Feeds one executed round: `raw_predicted_ms` is the uncorrected prediction."""
+        if raw_predicted_ms <= 0 or measured_ms <= 0:
+            return
+        log_ratio = math.log(measured_ms / raw_predicted_ms)
+        self._count *= CALIB_DECAY
+        s, b = int(has_spec), int(self.profile.bucket_index(num_rows))
+        if self._count[s, b] < 1e-3:
+            self._log_corr[s, b] = log_ratio  # first look at this shape: take it as is
+        else:
+            self._log_corr[s, b] += CALIB_ALPHA * (log_ratio - self._log_corr[s, b])
+        self._count[s, b] += 1.0
+        self._global_log_corr += CALIB_ALPHA * (log_ratio - self._global_log_corr)
+        self.num_observations += 1
+        conf = self._count / (self._count + CALIB_PRIOR_COUNT)
+        self._eff = np.exp(self._global_log_corr + conf * (self._log_corr - self._global_log_corr))
+
+    def confidence(self, num_rows: int, has_spec: bool) -> float:
+        c = self._count[int(has_spec), int(self.profile.bucket_index(num_rows))]
+        return float(c / (c + CALIB_PRIOR_COUNT))

@@ -1,0 +1,94 @@
+"""Which decoding requests speculate this round, and how deep: maximise expected tokens per ms.
+
+Expected tokens of the round: every decoding request emits 1 token (the AR row, or the
+bonus/correction token of its chain), plus for each chosen draft position (i, j) its survival
+probability s_ij = a_i1 * ... * a_ij, weighted by the request's value weight w_i (1, or less
+while draining). Position (i, j) can only be taken after (i, j-1); since s_ij falls with j,
+ranking all positions by value keeps every request's positions a prefix automatically.
+
+The round time is not additive: target rows are padded to a graph bucket, the drafter chain
+costs one step per position of the *deepest* request (d_max) over all speculating requests, and
+the first step also catches the drafter up on tokens it missed. So for every cap c = d_max in
+1..D we rank the positions with j <= c by value (a marginal-gain order: each next position adds
+its survival probability and one row), evaluate tokens / predicted ms for every prefix of that
+ranking with the exact cost (buckets, drafter, KV term, calibration), and keep the best prefix
+over all caps, or no speculation at all when that is better. The search is one argsort of
+n * D values and a few [D, n * D] array operations per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FORCE_KEY = 1e9  # ranking key of positions that must be taken (dwell, speculation "on")
+
+
+@dataclass(frozen=True)
+class DepthChoice:
+    num_draft: np.ndarray  # [n] int drafts per request (0: AR)
+    predicted_ms: float
+    predicted_tokens: float
+    ar_ms: float  # predicted time of the all-AR alternative
+    ar_tokens: float
+
+
+def plan_depths(
+    survival: np.ndarray,  # [n, D] s_ij, D = max drafts
+    rank_key: np.ndarray,  # [n, D] ranking key (survival * hysteresis, FORCE_KEY, <= 0: excluded)
+    weights: np.ndarray,  # [n] value of a token of request i
+    drafter_lag: np.ndarray,  # [n] tokens the drafter must catch up on if i speculates
+    cost_model,  # CostModel-like: predict_ms(num_rows, kv, depth, num_spec, lag, prefill_rows)
+    base_rows: int,  # rows without drafts: one per decoding request + prefill chunk rows
+    base_kv_tokens: int,
+    base_tokens: float,  # tokens without drafts: sum(weights) + prefill completions
+    num_prefill_rows: int,
+) -> DepthChoice:
+    n, max_drafts = survival.shape
+    ar_ms = float(cost_model.predict_ms(base_rows, base_kv_tokens, 0, 0, 0, num_prefill_rows))
+    none = DepthChoice(np.zeros(n, dtype=np.int64), ar_ms, base_tokens, ar_ms, base_tokens)
+    if n == 0 or max_drafts == 0:
+        return none
+    flat_key = rank_key.ravel()  # [n * D]
+    candidates = np.flatnonzero(flat_key > 0)
+    if len(candidates) == 0:
+        return none
+    order = candidates[np.argsort(-flat_key[candidates], kind="stable")]  # [P]
+    req_of = order // max_drafts  # [P] request of each ranked position
+    pos_of = order % max_drafts  # [P] 0-based draft position
+    value = survival.ravel()[order] * weights[req_of]  # [P]
+    num_forced = int(np.count_nonzero(flat_key[order] >= FORCE_KEY))
+
+    caps = np.arange(1, max_drafts + 1)  # [D]
+    in_cap = pos_of[None, :] < caps[:, None]  # [D, P]
+    first = in_cap & (pos_of == 0)[None, :]  # [D, P] a request's first draft
+    rows = np.cumsum(in_cap, axis=1)  # [D, P] drafts taken
+    num_spec = np.cumsum(first, axis=1)  # [D, P]
+    lag = np.cumsum(first * drafter_lag[req_of][None, :], axis=1)  # [D, P]
+    tokens = base_tokens + np.cumsum(in_cap * value[None, :], axis=1)  # [D, P]
+    ms = cost_model.predict_ms(
+        base_rows + rows,
+        base_kv_tokens + rows,
+        caps[:, None],
+        num_spec,
+        lag,
+        num_prefill_rows,
+    )  # [D, P]
+    rate = tokens / ms
+    # A prefix must contain every forced position, and a prefix must end on a position inside
+    # the cap (other prefixes repeat their predecessor's selection).
+    valid = in_cap.copy()
+    if num_forced:
+        valid[:, : num_forced - 1] = False
+        # a forced request deeper than the cap is still at depth >= 1, always inside every cap
+    rate = np.where(valid, rate, -1.0)
+    best = int(np.argmax(rate))
+    cap_idx, last = divmod(best, rate.shape[1])
+    if num_forced == 0 and rate.flat[best] <= base_tokens / ar_ms:
+        return none
+    chosen = in_cap[cap_idx, : last + 1]
+    num_draft = np.bincount(req_of[: last + 1][chosen], minlength=n).astype(np.int64)
+    return DepthChoice(
+        num_draft, float(ms[cap_idx, last]), float(tokens[cap_idx, last]), ar_ms, base_tokens
+    )

@@ -1,0 +1,143 @@
+"""Per-round speculation policies: given the decoding requests of a round, how many drafts each
+one gets (0: AR). The scheduler owns lifecycle and KV; a policy only picks depths.
+
+`AdaptivePolicy` is the product's policy (`--spec-mode adaptive`): survival probabilities from
+the per-request acceptance estimators, the calibrated cost model, the depth planner, plus
+hysteresis and a minimum dwell so a request near the boundary does not flip every round.
+`AllSpecPolicy` (`--spec-mode spec`) and `AllARPolicy` (`--spec-mode ar`) are the fixed modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from scheduler.acceptance import AcceptanceEstimator
+from scheduler.cost_model import CostModel
+from scheduler.depth_planner import FORCE_KEY, plan_depths
+
+# Hysteresis: a request's positions rank with its survival x (1 + HYSTERESIS) while it
+# speculates and x (1 - HYSTERESIS) while it runs AR, so a switch needs a ~2*HYSTERESIS better
+# estimate than staying. 3% is above the round-to-round wobble of the estimates near a
+# boundary (measured in the simulator) yet small against the gap between easy and hard states.
+HYSTERESIS = 0.03
+# Minimum dwell: after a switch a request keeps its new mode for this many rounds, so that
+# switching to speculation yields at least one observation before it can be dropped again.
+# Arrivals and departures lift the dwell: the plan is re-made at once on a new cohort.
+MIN_DWELL_ROUNDS = 2
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    """Everything a policy may look at for one round, as arrays over the decoding requests."""
+
+    req_ids: np.ndarray  # [n]
+    slots: np.ndarray  # [n] estimator rows
+    num_remaining: np.ndarray  # [n] tokens each may still emit (max_tokens)
+    drafter_lag: np.ndarray  # [n] tokens the drafter has not seen
+    may_spec: np.ndarray  # [n] bool: drafter present and request allows it
+    must_spec: np.ndarray  # [n] bool: request asked speculation "on"
+    was_spec: np.ndarray  # [n] bool: speculated last round
+    in_dwell: np.ndarray  # [n] bool: switched less than MIN_DWELL_ROUNDS rounds ago
+    weights: np.ndarray  # [n] value of one token (1; less for short requests while draining)
+    max_drafts: int  # spec_depth - 1
+    base_rows: int  # n + prefill chunk rows
+    base_kv_tokens: int
+    base_tokens: float  # sum(weights) + prefill chunks that complete this round
+    num_prefill_rows: int
+    num_live: int
+    cohort_changed: bool  # arrivals or departures since the last round
+    draining: bool  # nothing waiting: finishing the live requests is what counts
+
+
+@dataclass(frozen=True)
+class Decision:
+    num_draft: np.ndarray  # [n] int
+    reason: str
+
+
+class SpecPolicy(Protocol):
+    name: str
+
+    def decide(
+        self, view: DecodeView, estimator: AcceptanceEstimator, cost_model: CostModel
+    ) -> Decision: ...
+
+
+def depth_caps(view: DecodeView) -> np.ndarray:
+    """[n] the most drafts each request can use: a chain never needs to run past max_tokens."""
+    caps = np.minimum(view.num_remaining - 1, view.max_drafts)
+    return np.where(view.may_spec, np.maximum(caps, 0), 0)
+
+
+def usable_survival(view: DecodeView, survival: np.ndarray) -> np.ndarray:
+    """Zeroes positions a request cannot use ([n, D])."""
+    caps = depth_caps(view)
+    return np.where(np.arange(view.max_drafts)[None, :] < caps[:, None], survival, 0.0)
+
+
+class AllARPolicy:
+    name = "all-ar"
+
+    def decide(self, view, estimator, cost_model) -> Decision:
+        return Decision(np.zeros(len(view.req_ids), dtype=np.int64), "spec-mode ar")
+
+
+class AllSpecPolicy:
+    name = "all-spec"
+
+    def decide(self, view, estimator, cost_model) -> Decision:
+        return Decision(depth_caps(view).astype(np.int64), "spec-mode spec: full depth")
+
+
+class AdaptivePolicy:
+    """Marginal-gain depth allocation on estimated survival, with hysteresis and dwell."""
+
+    name = "adaptive"
+
+    def __init__(self, hysteresis: float = HYSTERESIS, min_dwell_rounds: int = MIN_DWELL_ROUNDS):
+        self.hysteresis = hysteresis
+        self.min_dwell_rounds = min_dwell_rounds
+
+    def survival(self, view: DecodeView, estimator: AcceptanceEstimator) -> np.ndarray:
+        return estimator.survival(view.slots)[:, : view.max_drafts]
+
+    def decide(self, view, estimator, cost_model) -> Decision:
+        n = len(view.req_ids)
+        if n == 0 or view.max_drafts == 0 or not view.may_spec.any():
+            return Decision(np.zeros(n, dtype=np.int64), "no request may speculate")
+        survival = usable_survival(view, self.survival(view, estimator))  # [n, D]
+        factor = np.where(view.was_spec, 1.0 + self.hysteresis, 1.0 - self.hysteresis)
+        key = survival * factor[:, None]  # [n, D]
+        usable = survival > 0
+        key = np.where(usable, key, -1.0)
+        hold = view.in_dwell & (not view.cohort_changed)
+        force = view.may_spec & (view.must_spec | (hold & view.was_spec)) & usable[:, 0]
+        exclude = hold & ~view.was_spec & ~view.must_spec
+        key[exclude] = -1.0
+        key[force, 0] = FORCE_KEY
+        weights = view.weights
+        choice = plan_depths(
+            survival,
+            key,
+            weights,
+            view.drafter_lag,
+            cost_model,
+            view.base_rows,
+            view.base_kv_tokens,
+            view.base_tokens,
+            view.num_prefill_rows,
+        )
+        num_spec = int(np.count_nonzero(choice.num_draft))
+        gain = (choice.predicted_tokens / choice.predicted_ms) / (
+            choice.ar_tokens / choice.ar_ms
+        ) - 1.0
+        reason = (
+            f"k={num_spec}/{n} d_max={int(choice.num_draft.max(initial=0))} "
+            f"pred {gain * 100:+.1f}% tok/s vs AR"
+            + (" drain" if view.draining else "")
+            + (" cohort-change" if view.cohort_changed else "")
+        )
+        return Decision(choice.num_draft, reason)
