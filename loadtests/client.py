@@ -103,20 +103,23 @@ def _parse_choice(choice: dict) -> tuple[str, int | None, str]:
 
 
 def spread_tokens(total: int, weights: list[int]) -> list[int]:
-    """Integer split of `total` over chunks by weight (largest remainder); each chunk gets one
-    token first when `total` allows, since a chunk is only sent when it carries something."""
+    """Integer split of `total` over chunks in proportion to their weight (largest remainder).
+    A chunk is only sent when it carries something, so when `total` allows, every chunk gets at
+    least one token, taken from the largest share."""
     n = len(weights)
     if n == 0:
         return []
-    base = [1] * n if total >= n else [0] * n
-    rest = total - sum(base)
     w = [max(x, 1) for x in weights]
-    shares = [rest * x / sum(w) for x in w]
-    out = [b + int(s) for b, s in zip(base, shares)]
-    left = total - sum(out)
-    order = sorted(range(n), key=lambda i: (-(shares[i] - int(shares[i])), i))
-    for i in order[:left]:
+    shares = [total * x / sum(w) for x in w]
+    out = [int(s) for s in shares]
+    order = sorted(range(n), key=lambda i: (-(shares[i] - out[i]), i))
+    for i in order[: total - sum(out)]:
         out[i] += 1
+    if total >= n:
+        for i in range(n):
+            if out[i] == 0:
+                out[max(range(n), key=lambda j: out[j])] -= 1
+                out[i] = 1
     return out
 
 

@@ -108,11 +108,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
-    engine = Engine(EngineConfig(
-        model=args.model, draft="ngram", device="cuda", dtype="bfloat16", max_concurrency=256,
-        spec_depth=8, kv_cache_memory="48GiB", graphs="lazy", max_model_len=4096,
-        spec_mode="ar",
-    ))
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            draft="ngram",
+            device="cuda",
+            dtype="bfloat16",
+            max_concurrency=256,
+            spec_depth=8,
+            kv_cache_memory="48GiB",
+            graphs="lazy",
+            max_model_len=4096,
+            spec_mode="ar",
+        )
+    )
     timer = RoundTimer(engine.executor, 8)
     rows_out = []
     for mode, rows, per_seq in [("ar", r, 1) for r in AR_ROWS] + [
@@ -122,11 +131,22 @@ def main(argv: list[str] | None = None) -> int:
         num_seqs = r // per_seq
         kv_tokens = num_seqs * args.kv_len
         roof = roofline_ms(engine, r, kv_tokens, ceilings)
-        rows_out.append({"mode": mode, "rows": r, "seqs": num_seqs, "kv_tokens": kv_tokens,
-                         "round_ms": round(ms, 4), "roofline_ms": round(roof, 4),
-                         "ratio": round(ms / roof, 3)})
-        print(f"{mode:>5} rows {r:>4} seqs {num_seqs:>4}: {ms:8.3f} ms  roofline "
-              f"{roof:7.3f} ms  x{ms / roof:5.2f}", flush=True)
+        rows_out.append(
+            {
+                "mode": mode,
+                "rows": r,
+                "seqs": num_seqs,
+                "kv_tokens": kv_tokens,
+                "round_ms": round(ms, 4),
+                "roofline_ms": round(roof, 4),
+                "ratio": round(ms / roof, 3),
+            }
+        )
+        print(
+            f"{mode:>5} rows {r:>4} seqs {num_seqs:>4}: {ms:8.3f} ms  roofline "
+            f"{roof:7.3f} ms  x{ms / roof:5.2f}",
+            flush=True,
+        )
     idle = {
         "ar": gpu_idle_fraction(engine, args.idle_concurrency, 512, args.idle_rounds),
     }
@@ -139,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings": ceilings,
         "rounds": rows_out,
         "idle": idle,
-        "graph_memory_bytes": engine.executor.graphs.memory_bytes if engine.executor.graphs
-        else 0,
+        "graph_memory_bytes": engine.executor.graphs.memory_bytes if engine.executor.graphs else 0,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         "| mode | rows | seqs | round ms | roofline ms | ratio |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    lines += [f"| {r['mode']} | {r['rows']} | {r['seqs']} | {r['round_ms']:.3f} | "
-              f"{r['roofline_ms']:.3f} | {r['ratio']:.2f} |" for r in rows_out]
+    lines += [
+        f"| {r['mode']} | {r['rows']} | {r['seqs']} | {r['round_ms']:.3f} | "
+        f"{r['roofline_ms']:.3f} | {r['ratio']:.2f} |"
+        for r in rows_out
+    ]
     lines += [
         "",
         f"Worst ratio: {worst:.2f} (target <= 1.3).",
@@ -171,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         "|---:|---:|---:|---:|",
     ]
     for v in idle.values():
-        lines.append(f"| {v['concurrency']} | {v['wall_ms_per_round']:.3f} | "
-                     f"{v['gpu_busy_ms_per_round']:.3f} | {100 * v['gpu_idle_fraction']:.1f}% |")
+        lines.append(
+            f"| {v['concurrency']} | {v['wall_ms_per_round']:.3f} | "
+            f"{v['gpu_busy_ms_per_round']:.3f} | {100 * v['gpu_idle_fraction']:.1f}% |"
+        )
     (out / "executor.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -56,6 +56,8 @@ def latency_plot(report: dict, path: Path) -> None:
             ax.plot(xs, ys, marker="o", label=q.split("_")[0])
         ax.set_title(f"{lat.upper()} (ms)")
         ax.set_xlabel("C" if report["mode"] == "refill" else "rate (req/s)")
+        if report["mode"] == "refill":
+            ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(report["label"])
