@@ -353,11 +353,13 @@ class Engine:
         )
 
     def abort(self, request_id: str) -> None:
-        req = self._requests.get(request_id)
+        # The scheduler emits no delta for an aborted request, so its bookkeeping goes now
+        # (otherwise has_unfinished() would stay true and the loop would spin on empty rounds).
+        req = self._requests.pop(request_id, None)
         if req is None:
             return
         for req_id in req.choice_ids:
-            if not self._choices[req_id].finished:
+            if not self._choices.pop(req_id).finished:
                 self.scheduler.abort(req_id)
 
     def has_unfinished(self) -> bool:
