@@ -56,6 +56,8 @@ def test_disconnect_storm_leaves_accounting_idle(server):
     statuses = asyncio.run(storm())
     assert statuses == [200] * num_streams
     _assert_idle(server.wait_idle())
+    # nothing left for the engine loop to step (it must go quiet, not spin on empty rounds)
+    assert server.call(lambda engine: engine.has_unfinished()) is False
     # and the server still serves
     ok = httpx.post(
         server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30
