@@ -12,9 +12,13 @@ Every random number the sampler uses is a pure function of
 The batch row is deliberately not part of the key: a seeded request draws the same numbers
 whatever else is in the batch, at whatever row, through AR or speculative rounds alike.
 
-The hash is a 32-bit integer mixer (xor-shift / multiply rounds with well-tested constants)
-computed in int64 tensors: values stay in [0, 2**32) and every product is split into 16-bit
-halves, so no operation relies on signed overflow. No host-device synchronisation happens.
+The hash is a 32-bit integer mixer (xor-shift / multiply rounds with well-tested constants).
+`mix32` computes it in int64 tensors: values stay in [0, 2**32) and every product is split into
+16-bit halves, so no operation relies on signed overflow. The per-vocabulary-entry work (the
+bulk: [N, V] elements) runs the same mixer on int32 tensors with wrapping multiplication, about
+a quarter of the memory traffic; `prepare(device)` checks once per device that int32 arithmetic
+there wraps and gives bit-identical results, and falls back to the int64 form if not. Apart
+from that one check, no host-device synchronisation happens.
 """
 
 from __future__ import annotations
@@ -86,6 +90,32 @@ def row_keys(seed: torch.Tensor, step: torch.Tensor, stream: int) -> torch.Tenso
     return mix32(key ^ ((step >> 32) & MASK32))
 
 
+def _to_int32_bits(x: torch.Tensor) -> torch.Tensor:
+    """int64 in [0, 2**32) -> int32 with the same 32 bits."""
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+
+
+def _mix32_wrapping_(x: torch.Tensor) -> torch.Tensor:
+    """In place on int32: `mix32` with wrapping multiplication; arithmetic right shifts are
+    masked into logical ones."""
+    x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF))
+    x.mul_(_C1_INT32)
+    x.bitwise_xor_((x >> 15).bitwise_and_(0x1FFFF))
+    x.mul_(_C2_INT32)
+    return x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF))
+
+
+_C1_INT32 = 0x7FEB352D
+_C2_INT32 = 0x846CA68B - (1 << 32)
+
+
+@functools.lru_cache(maxsize=16)
+def _int32_wraps(device: torch.device) -> bool:
+    x = torch.arange(0, 1 << 32, 4_194_301, dtype=torch.int64, device=device)  # [1024]
+    fast = _mix32_wrapping_(_to_int32_bits(x)).to(torch.int64) & MASK32
+    return bool(torch.equal(fast, mix32(x)))
+
+
 @functools.lru_cache(maxsize=16)
 def _counter_hashes(num: int, device: torch.device) -> torch.Tensor:
     """[num] int64: mix32 of 0..num-1 (offset so that counter 0 is not the fixed point 0)."""
@@ -93,19 +123,43 @@ def _counter_hashes(num: int, device: torch.device) -> torch.Tensor:
     return mix32((counters * _GOLDEN32 + 0x6A09E667) & MASK32)
 
 
+@functools.lru_cache(maxsize=16)
+def _counter_hashes_int32(num: int, device: torch.device) -> torch.Tensor:
+    return _to_int32_bits(_counter_hashes(num, device))
+
+
+def prepare(device: torch.device | str, num: int) -> None:
+    """Runs the one-time work for `device` and counters up to `num` (the vocabulary size): the
+    int32 check (a host sync) and the counter tables. Call it before capturing CUDA graphs."""
+    device = torch.empty(0, device=device).device  # with its index, as tensors report it
+    if _int32_wraps(device):
+        _counter_hashes_int32(num, device)
+    else:
+        _counter_hashes(num, device)
+
+
 def random_bits(seed: torch.Tensor, step: torch.Tensor, stream: int, num: int) -> torch.Tensor:
-    """seed, step [N] int64 -> [N, num] int64 uniform in [0, 2**32)."""
+    """seed, step [N] int64 -> [N, num] int64 uniform in [0, 2**32) (the int64 reference form)."""
     keys = row_keys(seed, step, stream)  # [N]
     return mix32(keys[:, None] ^ _counter_hashes(num, seed.device)[None, :])  # [N, num]
+
+
+def _top24_bits(seed: torch.Tensor, step: torch.Tensor, stream: int, num: int) -> torch.Tensor:
+    """The high 24 bits of `random_bits`, [N, num] int32 or int64 by the device's fast path."""
+    if not _int32_wraps(seed.device):
+        return random_bits(seed, step, stream, num) >> 8
+    keys = _to_int32_bits(row_keys(seed, step, stream))  # [N]
+    bits = keys[:, None] ^ _counter_hashes_int32(num, seed.device)[None, :]  # [N, num]
+    return (_mix32_wrapping_(bits) >> 8).bitwise_and_(0xFFFFFF)
 
 
 def uniforms(seed: torch.Tensor, step: torch.Tensor, stream: int, num: int) -> torch.Tensor:
     """[N, num] float32 uniform in the open interval (0, 1): 24 random bits, centred in their
     cell, so that log(u) and 1/u stay finite."""
-    bits = random_bits(seed, step, stream, num) >> 8  # [N, num], < 2**24: exact in fp32
-    return (bits.to(torch.float32) + 0.5) * _UNIFORM_SCALE
+    bits = _top24_bits(seed, step, stream, num)  # [N, num], < 2**24: exact in fp32
+    return bits.to(torch.float32).add_(0.5).mul_(_UNIFORM_SCALE)
 
 
 def exponentials(seed: torch.Tensor, step: torch.Tensor, stream: int, num: int) -> torch.Tensor:
     """[N, num] float32 Exp(1) draws, each in (0, 17.4)."""
-    return -torch.log(uniforms(seed, step, stream, num))
+    return uniforms(seed, step, stream, num).log_().neg_()

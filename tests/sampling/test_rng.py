@@ -74,6 +74,17 @@ def test_derived_seeds():
     assert rng.seed_to_int64(-1) == -1 and rng.seed_to_int64(2**64 + 3) == 3
 
 
+def test_int32_fast_path_equals_int64_reference(monkeypatch):
+    seed = torch.tensor([0, -3, 2**62, 12345])
+    step = torch.tensor([0, 17, 2**35, 4])
+    rng.prepare("cpu", 500)
+    reference = ((rng.random_bits(seed, step, Stream.ACCEPT, 500) >> 8).float() + 0.5) / 2**24
+    fast = rng.uniforms(seed, step, Stream.ACCEPT, 500)
+    monkeypatch.setattr(rng, "_int32_wraps", lambda device: False)
+    fallback = rng.uniforms(seed, step, Stream.ACCEPT, 500)
+    assert torch.equal(fast, reference) and torch.equal(fallback, reference)
+
+
 @pytest.mark.gpu
 def test_device_matches_cpu_bit_for_bit():
     seed = torch.tensor([0, -3, 2**62, 12345])
