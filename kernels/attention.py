@@ -285,10 +285,10 @@ def verify_attention(
     d_pad = _next_pow2(head_dim)
     if rows_per_tile is None:
         rows_cap = max(1, tiles.max_block_m // group_pad)
+        # A tile never spans sequences: rows beyond the longest sequence would only be padding.
         rows_per_tile = min(_next_pow2(max_q_len or num_rows), _next_pow2(rows_cap))
-        rows_per_tile = max(rows_per_tile, max(1, 16 // group_pad))  # the dot needs M >= 16
     assert rows_per_tile >= 1
-    block_m = max(16, _next_pow2(rows_per_tile * group_pad))
+    block_m = max(16, _next_pow2(rows_per_tile * group_pad))  # tl.dot needs M >= 16
     num_tiles = triton.cdiv(num_rows, rows_per_tile) + num_seqs
     if num_splits is None:
         # Sequences of fewer rows than a tile still take a tile each.

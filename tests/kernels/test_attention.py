@@ -1,0 +1,109 @@
+"""Verify attention against the torch reference on random ragged batches (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.attention import choose_num_splits, verify_attention, verify_attention_ref
+from tests.kernels.paged import ragged_batch, rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+
+def _check(batch, *, pad_rows=0, **kwargs):
+    q = batch[0]
+    scale = 1 / math.sqrt(q.shape[-1])
+    out = torch.full_like(q, float("nan"))  # poison: every element must be written
+    verify_attention(*batch, scale, out, **kwargs)
+    ref = verify_attention_ref(*[t.float() if t.is_floating_point() else t for t in batch], scale)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[q.dtype]
+    if pad_rows:
+        assert (out[-pad_rows:] == 0).all()
+    return out
+
+
+# One sequence: (rows, cached tokens before them); rows 0 is a padded sequence.
+_seq = st.one_of(
+    st.tuples(st.just(1), st.integers(0, 70)),  # AR row
+    st.tuples(st.integers(2, 9), st.integers(0, 70)),  # speculative verify
+    st.tuples(st.integers(10, 40), st.integers(0, 40)),  # prefill chunk
+    st.tuples(st.just(0), st.just(0)),  # graph padding
+)
+
+
+@settings(max_examples=14)
+@given(
+    seqs=st.lists(_seq, min_size=1, max_size=4).filter(lambda s: any(r for r, _ in s)),
+    gqa=st.sampled_from([1, 4, 8]),
+    head_dim=st.sampled_from([64, 128]),
+    page_size=st.sampled_from([4, 16]),
+    num_splits=st.sampled_from([1, 3, None]),
+    max_q_len=st.sampled_from([None, 1, 8]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    pad_rows=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_ragged_batches_match_reference(
+    seqs, gqa, head_dim, page_size, num_splits, max_q_len, dtype, pad_rows, seed
+):
+    num_kv_heads = 2 if gqa < 8 else 1
+    batch = ragged_batch(
+        [r for r, _ in seqs], [c for _, c in seqs], num_q_heads=num_kv_heads * gqa,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
+        device=DEV, pad_rows=pad_rows, seed=seed,
+    )
+    _check(batch, pad_rows=pad_rows, num_splits=num_splits, max_q_len=max_q_len)
+
+
+def test_odd_group_and_head_dim():
+    # GQA 3 and head_dim 80 are not powers of two: both get padded and masked.
+    batch = ragged_batch(
+        [5, 1], [33, 70], num_q_heads=6, num_kv_heads=2, head_dim=80, page_size=8,
+        dtype=torch.float32, device=DEV,
+    )
+    _check(batch, num_splits=2, max_q_len=8)
+
+
+def test_per_row_tiles_equal_shared_tiles():
+    batch = ragged_batch(
+        [8, 3], [50, 90], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+        dtype=torch.float32, device=DEV,
+    )
+    shared = _check(batch, max_q_len=8, num_splits=1)
+    per_row = _check(batch, rows_per_tile=1, num_splits=1)
+    assert rel_err(shared, per_row) < 1e-6
+
+
+def test_long_context_many_splits():
+    batch = ragged_batch(
+        [2], [600], num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16,
+        dtype=torch.float32, device=DEV,
+    )
+    _check(batch, num_splits=16, max_q_len=2)
+
+
+def test_rejects_mismatched_dtypes():
+    q, k, v, cu, lens, bt = ragged_batch(
+        [1], [3], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=4, dtype=torch.float32,
+    )
+    with pytest.raises(AssertionError):
+        verify_attention(q.half(), k, v, cu, lens, bt, 0.1)
+    with pytest.raises(AssertionError):
+        verify_attention(q, k, v, cu.long(), lens, bt, 0.1)
+
+
+def test_split_choice_fills_the_gpu_and_respects_bounds():
+    cpu = torch.device("cpu")
+    many = choose_num_splits(cpu, num_tiles=512, num_kv_heads=8, max_kv_len=32768)
+    few = choose_num_splits(cpu, num_tiles=1, num_kv_heads=1, max_kv_len=32768)
+    short = choose_num_splits(cpu, num_tiles=1, num_kv_heads=1, max_kv_len=256)
+    assert many == 1
+    assert few > 1
+    assert short == 1
