@@ -73,9 +73,11 @@ class SamplingTensors:
         base_seed: int,
         device: torch.device | str,
     ) -> SamplingTensors:
-        """One row per entry. `steps[i]` must differ between the tokens one request samples
+        """One row per entry. `vocab_size` is the width of the logits (the model's, which may
+        exceed the tokenizer's). `steps[i]` must differ between the tokens one request samples
         (its sequence position does). Rows of a request without a seed draw from
-        `rng.derive_seed(base_seed, req_id)`."""
+        `rng.derive_seed(base_seed, req_id)`. Call `rng.prepare(device, vocab_size)` once before
+        capturing CUDA graphs that contain sampling."""
         num_rows = len(specs)
         if not len(req_ids) == len(steps) == num_rows:
             raise ValueError("specs, req_ids and steps need one entry per row")
@@ -275,7 +277,8 @@ def sample_from_probs(
 
     argmax_v p_v / E_v with independent E_v ~ Exp(1) picks v with probability p_v / sum(p)
     (the minimum of independent exponentials with rates p_v is attained at v with that
-    probability). Tokens with p_v = 0 never win."""
+    probability). Tokens with p_v = 0 never win; a row without any mass returns token 0, so a
+    caller drawing from a residual that may be empty must handle that row itself."""
     race = rng.exponentials(st.seed, st.step, stream, probs.shape[-1])  # [N, V]
     return (probs / race).argmax(dim=-1)
 
