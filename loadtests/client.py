@@ -172,7 +172,9 @@ async def stream_request(
                         break
                 if not done and not error:
                     error = "stream ended without [DONE]"
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+    except (httpx.HTTPError, OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
+        # Network failures, and streams that are not the OpenAI shape (ValueError covers bad
+        # JSON): one failed request, never a failed run.
         error = f"{type(exc).__name__}: {exc}"
     end = clock()
     return _record(req, submit, end, chunks, usage, finish_reason, error)
@@ -187,7 +189,9 @@ def _record(
     finish_reason: str | None,
     error: str,
 ) -> RequestRecord:
-    usage_out = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else None
+    usage_out = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    usage_out = usage_out if isinstance(usage_out, int) else None
+    num_prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     if chunks and all(c.num_tokens is not None for c in chunks):
         counts = [int(c.num_tokens or 0) for c in chunks]
         source = chunks[0].source
@@ -204,7 +208,7 @@ def _record(
         end_s=end,
         chunk_times_s=tuple(c.time_s for c in chunks),
         chunk_tokens=tuple(counts),
-        num_prompt_tokens=int(usage.get("prompt_tokens", 0)) if usage else 0,
+        num_prompt_tokens=num_prompt if isinstance(num_prompt, int) else 0,
         num_output_tokens=usage_out if usage_out is not None else sum(counts),
         token_count_source=source,
         finish_reason=finish_reason,

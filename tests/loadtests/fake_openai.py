@@ -22,6 +22,7 @@ class FakeState:
     chunk_delay_s: float = 0.002
     send_token_ids: bool = True  # False: only text + final usage, like many servers
     valid_keys: tuple[str, ...] = ()  # empty: no auth
+    error_after_chunks: int | None = None  # send an in-stream error event after this many
     generation_tokens: int = 0
     prompt_tokens: int = 0
     requests_ok: int = 0
@@ -78,7 +79,13 @@ class FakeOpenAI:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
         sent = 0
+        num_chunks = 0
         while sent < num_tokens:
+            if num_chunks == self.state.error_after_chunks:
+                await _event(send, {"error": {"message": "engine failed", "type": "server"}})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            num_chunks += 1
             k = min(self.state.tokens_per_chunk, num_tokens - sent)
             ids = list(range(sent, sent + k))
             text = "".join(f" t{i}" for i in ids)

@@ -99,6 +99,20 @@ def test_failed_requests_are_reported_and_exit_nonzero(tmp_path, capsys):
     assert "HTTP 401" in capsys.readouterr().err
 
 
+def test_in_stream_error_fails_only_that_request(tmp_path):
+    with FakeServer(FakeState(error_after_chunks=1)) as srv:
+        rc = main([
+            "poisson", "--base-url", srv.base_url, "--rate", "inf", "--num-requests", "3",
+            "--max-tokens", "9", "--out", str(tmp_path), "--label", "err", "--no-plots",
+            "--no-progress",
+        ])  # fmt: skip
+    assert rc == 1
+    run = load_report(tmp_path / "err.json")["runs"][0]
+    assert (run["num_requests"], run["num_errors"]) == (3, 3)
+    assert run["errors"] == ["3x stream error: engine failed"]
+    assert run["num_output_tokens"] == 0
+
+
 def test_compare_prints_ratios_and_plots(tmp_path, capsys):
     with FakeServer(FakeState(chunk_delay_s=0.001)) as fast:
         assert main(["refill", "--base-url", fast.base_url, "--concurrency", "1,2",
