@@ -11,7 +11,7 @@ json_scalars = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=False),
+    st.floats(allow_nan=False, allow_infinity=False),
     st.text(max_size=12),
 )
 any_json = st.recursive(
