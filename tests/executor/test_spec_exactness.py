@@ -9,6 +9,7 @@ catch up), through the real `RoundExecutor`, with the ngram drafter and the draf
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,14 +61,16 @@ class RandomDepthPolicy:
 
     name = "random-depth"
 
-    def __init__(self, rng: np.random.Generator, p_spec: float = 0.5):
+    def __init__(self, rng: np.random.Generator, p_spec: float = 0.5, max_drafts: int = 0):
         self.rng = rng
         self.p_spec = p_spec
+        self.max_drafts = max_drafts  # 0: up to spec_depth - 1
 
     def decide(self, view, estimator, cost_model) -> Decision:
         n = len(view.req_ids)
         spec = (self.rng.random(n) < self.p_spec) & view.may_spec
-        depth_rows = self.rng.integers(2, view.max_drafts + 2, n)  # [n] in 2..spec_depth
+        max_drafts = self.max_drafts or view.max_drafts
+        depth_rows = self.rng.integers(2, max_drafts + 2, n)  # [n] in 2..max_drafts + 1
         return Decision(np.where(spec, depth_rows - 1, 0).astype(np.int64), "random depths")
 
 
@@ -84,13 +87,26 @@ class RunLog:
     mode_switches: int = 0
 
 
+class MisreportingDrafter(DraftModelDrafter):
+    """Broken on purpose: drafts from q but reports q**3 (renormalised) as its distribution, so
+    rejection sampling corrects for the wrong q. The sampled test must catch it."""
+
+    def propose(self, requests, greedy):
+        batch = super().propose(requests, greedy)
+        if batch.probs is not None:
+            cubed = batch.probs**3
+            batch.probs = cubed / cubed.sum(dim=-1, keepdim=True)
+        return batch
+
+
 def make_drafter(kind: str, models: dict[str, Model], num_blocks: int, max_slots: int):
     if kind == "none":
         return None
     if kind == "ngram":
         return NgramDrafter()
     model = models["target"] if kind == "draft-self" else models["draft"]
-    return DraftModelDrafter(
+    cls = MisreportingDrafter if kind == "draft-misreported" else DraftModelDrafter
+    return cls(
         model,
         num_blocks=num_blocks,
         block_size=BLOCK_SIZE,
@@ -120,6 +136,7 @@ def run_requests(
     rng: np.random.Generator,
     *,
     p_spec: float = 0.5,
+    max_drafts: int = 0,
     max_slots: int = 4,
     num_blocks: int = 160,
     max_prefill_tokens: int = 24,
@@ -131,6 +148,7 @@ def run_requests(
     sched = Scheduler(
         SchedulerConfig(
             max_concurrency=max_slots,
+            max_queue=len(specs),
             spec_mode="adaptive" if has_drafter else "ar",
             spec_depth=SPEC_DEPTH,
             block_size=BLOCK_SIZE,
@@ -139,7 +157,7 @@ def run_requests(
             has_drafter=has_drafter,
         ),
         num_kv_blocks=num_blocks,
-        policy=RandomDepthPolicy(rng, p_spec) if has_drafter else None,
+        policy=RandomDepthPolicy(rng, p_spec, max_drafts) if has_drafter else None,
     )
     ex = make_executor(models["target"], drafter, num_blocks, max_slots)
     for s in specs:
@@ -305,18 +323,24 @@ def test_draft_model_writes_stay_inside_blocks_the_plan_allocated(models):
 # -- sampled exactness ------------------------------------------------------------------------
 SMALL_VOCAB = 8
 NUM_SAMPLES = 3000
-TEMPERATURE = 1.0
+TEMPERATURE = 0.8
 SAMPLED_TOKENS = 3  # the joint distribution of the first three emitted tokens is compared
 ALPHA = 1e-3  # significance: a correct implementation fails one seed in a thousand
 
 
-@pytest.fixture(scope="module")
-def small_models(tmp_path_factory) -> dict[str, Model]:
-    def make(name, arch, seed):
-        d = make_tiny_model(tmp_path_factory.mktemp(name), arch, seed=seed, vocab_size=SMALL_VOCAB)
-        return load_model(d, dtype="float32")
+def shrink_vocab(model: Model, vocab_size: int) -> Model:
+    """The same network over its first `vocab_size` tokens only (embedding and head rows)."""
+    w = model.weights
+    weights = dataclasses.replace(
+        w, embed=w.embed[:vocab_size].clone(), lm_head=w.lm_head[:vocab_size].clone()
+    )
+    config = dataclasses.replace(model.config, vocab_size=vocab_size)
+    return Model(config, weights, device=model.device, dtype=model.dtype)
 
-    return {"target": make("small_target", "llama", 3), "draft": make("small_draft", "qwen3", 4)}
+
+@pytest.fixture(scope="module")
+def small_models(models) -> dict[str, Model]:
+    return {name: shrink_vocab(m, SMALL_VOCAB) for name, m in models.items()}
 
 
 def target_joint(model: Model, prompt: list[int], num_tokens: int, temperature: float):
@@ -383,31 +407,50 @@ def chi_square_pvalue(counts: dict, probs: dict, num_samples: int) -> tuple[floa
     return float(pvalue), dof
 
 
-@pytest.mark.parametrize("drafter_kind", ("ngram", "draft-other"))
-def test_sampled_spec_has_the_target_distribution(small_models, drafter_kind):
+def sample_joint(models: dict[str, Model], drafter_kind: str) -> tuple[float, int, RunLog]:
+    """Runs NUM_SAMPLES seeded requests of SAMPLED_TOKENS tokens after a fixed prompt, every
+    decode round speculating; returns the chi-square p-value of the emitted sequences against
+    the target's exact joint distribution."""
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so prompt lookup drafts 3, 1, 2 ...
-    sampling = [SamplingSpec(temperature=TEMPERATURE, seed=1000 + i) for i in range(NUM_SAMPLES)]
     specs = [
-        RequestSpec(req_id=i, prompt_token_ids=tuple(prompt), sampling=s, max_tokens=SAMPLED_TOKENS)
-        for i, s in enumerate(sampling)
+        RequestSpec(
+            req_id=i,
+            prompt_token_ids=tuple(prompt),
+            sampling=SamplingSpec(temperature=TEMPERATURE, seed=1000 + i),
+            max_tokens=SAMPLED_TOKENS,
+        )
+        for i in range(NUM_SAMPLES)
     ]
-    rng = np.random.default_rng(11)
     log = run_requests(
-        small_models,
+        models,
         specs,
         drafter_kind,
-        rng,
+        np.random.default_rng(11),
         p_spec=1.0,
+        max_drafts=SAMPLED_TOKENS,
         max_slots=64,
         num_blocks=192,
         max_prefill_tokens=512,
     )
-    assert log.num_drafted > NUM_SAMPLES and log.num_accepted > 0
     counts: dict[tuple[int, ...], int] = {}
     for out in log.outputs.values():
         assert len(out) == SAMPLED_TOKENS
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-    probs = target_joint(small_models["target"], prompt, SAMPLED_TOKENS, TEMPERATURE)
+    probs = target_joint(models["target"], prompt, SAMPLED_TOKENS, TEMPERATURE)
     pvalue, dof = chi_square_pvalue(counts, probs, NUM_SAMPLES)
     assert dof >= 20  # enough informative cells for the test to have power
+    return pvalue, dof, log
+
+
+@pytest.mark.parametrize("drafter_kind", ("ngram", "draft-other"))
+def test_sampled_spec_has_the_target_distribution(small_models, drafter_kind):
+    pvalue, dof, log = sample_joint(small_models, drafter_kind)
+    # speculation really happened, with accepted and rejected drafts
+    assert log.num_drafted > NUM_SAMPLES
+    assert 0 < log.num_accepted < log.num_drafted
     assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {dof} dof"
+
+
+def test_sampled_check_catches_a_misreported_draft_distribution(small_models):
+    pvalue, dof, _ = sample_joint(small_models, "draft-misreported")
+    assert pvalue < ALPHA, f"chi-square p = {pvalue:.2e} over {dof} dof"
