@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from executor.drafters.ngram import NgramDrafter
+from executor.drafters.base import DraftBatch
 from executor.model import AttnMetadata, Model
 from executor.round_executor import RoundExecutor
 from scheduler.kv_blocks import BlockPool
@@ -105,6 +105,26 @@ def measure_ceilings(device: torch.device) -> dict:
     }
 
 
+class _RepeatDrafter:
+    """Proposes the last token again: no host or device cost, so a profiled round is the
+    target's cost alone (a real drafter's cost is profiled on its own)."""
+
+    name = "repeat"
+    has_probs = False
+
+    def setup(self, slot, context):
+        pass
+
+    def release(self, slot):
+        pass
+
+    def propose(self, requests, greedy):
+        return DraftBatch(tokens=[[r.context[-1]] * r.num_draft for r in requests])
+
+    def commit(self, slot, context, num_accepted, num_draft):
+        pass
+
+
 class RoundTimer:
     """Builds synthetic decode rounds (AR rows, or SPEC groups once rows exceed the slots) at a
     given context length and times `RoundExecutor.run` on them."""
@@ -113,6 +133,7 @@ class RoundTimer:
         self.ex = executor
         self.spec_depth = spec_depth
         self.pool = BlockPool(executor.kv.num_blocks, executor.block_size)
+        self.last_phases: dict[str, float] = {}  # median phase times (ms) of the last shape
 
     def time_round(self, num_rows: int, kv_len: int, repeats: int,
                    rows_per_seq: int | None = None) -> float:
@@ -161,12 +182,12 @@ class RoundTimer:
             row_bucket=num_rows,
             spec_depth=rows_per_seq,
         )
-        # The target's cost is measured with a host-only drafter in place: a model drafter's own
-        # cost is profiled separately (time_draft_steps).
+        # The target's cost is measured with a cost-free drafter in place: a model drafter's
+        # own cost is profiled separately (time_draft_steps).
         saved_drafter = ex.drafter
-        ex.drafter = NgramDrafter() if rows_per_seq > 1 else None
+        ex.drafter = _RepeatDrafter() if rows_per_seq > 1 else None
         ex._apply_setup_release(RoundPlan(round_id=0, setup=tuple(setups)))
-        times = []
+        times, phases = [], []
         try:
             for i in range(repeats + 2):
                 # Every repeat re-runs the same rows from the same committed state: reset what
@@ -177,15 +198,20 @@ class RoundTimer:
                     st.num_computed = kv_len - 1
                 _sync(ex.device)
                 t0 = time.perf_counter()
-                ex.run(plan)
+                result = ex.run(plan)
                 _sync(ex.device)
                 if i >= 2:
                     times.append((time.perf_counter() - t0) * 1e3)
+                    phases.append(result.timings)
         finally:
             ex._apply_setup_release(RoundPlan(round_id=0, release=tuple(range(num_seqs))))
             ex.drafter = saved_drafter
             for r in reqs:
                 self.pool.free(r.req_id)
+        self.last_phases = {
+            name: statistics.median(getattr(p, f"{name}_ms") for p in phases)
+            for name in ("build", "draft", "forward", "accept", "commit")
+        }
         return statistics.median(times)
 
 

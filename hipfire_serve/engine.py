@@ -83,6 +83,9 @@ class _Choice:
     pending_text: str = ""  # text produced by the stop check of the current update
     pending_stop: str | None = None
     finished: bool = False
+    # With stop strings the scheduler's stop check decodes the round's tokens (it must know
+    # where a stop string completes); without, the engine decodes them when collecting.
+    has_stop_strings: bool = False
 
 
 @dataclass
@@ -340,16 +343,22 @@ class Engine:
             self._choices[req_id] = _Choice(
                 request_id=request_id,
                 index=index,
-                stream=OutputStream(
-                    self.tokenizer,
-                    prompt_ids,
-                    stop_strings=params.stop_strings,
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                    skip_special_tokens=params.skip_special_tokens,
-                ),
+                stream=self._make_stream(prompt_ids, params),
+                has_stop_strings=bool(params.stop_strings),
             )
         self._requests[request_id] = _Request(
             request_id, prompt_text, prompt_ids, params, choice_ids
+        )
+
+    def _make_stream(self, prompt_ids: list[int], params: SamplingParams):
+        if self.tokenizer is None:
+            return _TokenOnlyStream()
+        return OutputStream(
+            self.tokenizer,
+            prompt_ids,
+            stop_strings=params.stop_strings,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
         )
 
     def abort(self, request_id: str) -> None:
@@ -368,7 +377,7 @@ class Engine:
     # -- the round ------------------------------------------------------------------------------
     def _check_stop_strings(self, req_id: int, new_ids: Sequence[int]):
         choice = self._choices.get(req_id)
-        if choice is None:
+        if choice is None or not choice.has_stop_strings:
             return None
         step = choice.stream.push(list(new_ids))
         choice.pending_text += step.text
@@ -378,17 +387,21 @@ class Engine:
         return None
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         plan = self.scheduler.plan(time.monotonic())
         if not (plan.reqs or plan.setup or plan.release):
             return self._collect([])
+        t1 = time.perf_counter()
         try:
             result = self.executor.run(plan)
         except Exception:
             log.exception("round %d failed; failing its %d requests", plan.round_id, len(plan.reqs))
             return self._fail_round(plan)
+        t2 = time.perf_counter()
         deltas = self.scheduler.update(result, time.monotonic())
-        self._record_round(plan, result)
-        return self._collect(deltas)
+        outputs = self._collect(deltas)
+        self._record_round(plan, result, plan_s=t1 - t0, update_s=time.perf_counter() - t2)
+        return outputs
 
     def _fail_round(self, plan: RoundPlan) -> list[RequestOutput]:
         empty = RoundResult(
@@ -406,7 +419,9 @@ class Engine:
             deltas.append(RequestDelta(req_id=r.req_id, token_ids=(), finish_reason="error"))
         return self._collect(deltas)
 
-    def _record_round(self, plan: RoundPlan, result: RoundResult) -> None:
+    def _record_round(
+        self, plan: RoundPlan, result: RoundResult, plan_s: float, update_s: float
+    ) -> None:
         depth = max((r.num_draft for r in plan.reqs), default=0)
         drafted = [0] * depth
         accepted = [0] * depth
@@ -434,6 +449,8 @@ class Engine:
                     "forward": t.forward_ms / 1e3,
                     "accept": t.accept_ms / 1e3,
                     "commit": t.commit_ms / 1e3,
+                    "plan": plan_s,  # scheduler.plan on the host
+                    "update": update_s,  # scheduler.update + detokenization on the host
                 },
                 drafted_per_pos=drafted,
                 accepted_per_pos=accepted,
@@ -450,8 +467,7 @@ class Engine:
             choice = self._choices.get(d.req_id)
             if choice is None:
                 continue
-            if choice.pending_stop is None and d.token_ids and not choice.pending_text:
-                # the stop check did not run for these tokens (no stop strings): decode now
+            if not choice.has_stop_strings and d.token_ids:
                 choice.pending_text = choice.stream.push(list(d.token_ids)).text
             text = choice.pending_text
             choice.pending_text = ""
