@@ -160,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{roof:7.3f} ms  x{ms / roof:5.2f}  {rows_out[-1]['phases_ms']}",
             flush=True,
         )
+    # Where the device time of one 64-row AR round goes, kernel by kernel.
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timer.time_round(64, args.kv_len, 3)
+    kernel_table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+    print(kernel_table)
     idle = {
         "ar": gpu_idle_fraction(engine, args.idle_concurrency, 512, args.idle_rounds),
     }
@@ -172,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings": ceilings,
         "rounds": rows_out,
         "idle": idle,
+        "kernel_table_ar64": kernel_table,
         "graph_memory_bytes": engine.executor.graphs.memory_bytes if engine.executor.graphs else 0,
     }
     out = Path(args.out)
@@ -210,6 +218,14 @@ def main(argv: list[str] | None = None) -> int:
             f"| {v['concurrency']} | {v['wall_ms_per_round']:.3f} | "
             f"{v['gpu_busy_ms_per_round']:.3f} | {100 * v['gpu_idle_fraction']:.1f}% |"
         )
+    lines += [
+        "",
+        "Device time of a 64-row AR round by kernel (torch profiler, 3 rounds + warm-up):",
+        "",
+        "```",
+        kernel_table.rstrip(),
+        "```",
+    ]
     (out / "executor.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
