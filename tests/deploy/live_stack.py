@@ -60,6 +60,8 @@ def start_server(model: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
         "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--device", "cpu", "--max-concurrency", "8", "--log-level", "warning",
         "--drain-timeout", "2",
+        # The n-gram drafter needs no second model: the speculative metrics get data too.
+        "--draft", "ngram", "--spec-mode", "adaptive",
     ]  # fmt: skip
     with log.open("w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO)
@@ -73,10 +75,12 @@ def start_server(model: Path, workdir: Path) -> tuple[subprocess.Popen, str]:
 
 
 def prometheus_config(server_root: str, prom_port: int) -> dict:
-    """deploy/prometheus/prometheus.yml pointed at the live server, scraping every second so a
-    short run leaves enough samples; the deploy rule files are loaded as they are."""
+    """deploy/prometheus/prometheus.yml pointed at the live server, scraping twice a second so a
+    run of a few seconds leaves several samples; the deploy rule files are loaded as they are."""
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
-    config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    config["global"].update(
+        scrape_interval="500ms", scrape_timeout="500ms", evaluation_interval="500ms"
+    )
     config["rule_files"] = [str(p) for p in RULE_FILES]
     for job in config["scrape_configs"]:
         if job["job_name"] == "hipfire-serve":
@@ -106,7 +110,22 @@ def start_prometheus(server_root: str, workdir: Path) -> tuple[subprocess.Popen,
     return proc, url
 
 
-def query(prom_url: str, expr: str) -> dict:
-    """An instant query through Prometheus' HTTP API; returns the JSON answer (errors included)."""
-    resp = httpx.get(f"{prom_url}/api/v1/query", params={"query": expr}, timeout=10)
+def query(prom_url: str, expr: str, at: float | None = None) -> dict:
+    """An instant query through Prometheus' HTTP API, at unix time `at` (default: now); returns
+    the JSON answer, errors included."""
+    params: dict = {"query": expr}
+    if at is not None:
+        params["time"] = f"{at:.3f}"
+    resp = httpx.get(f"{prom_url}/api/v1/query", params=params, timeout=10)
     return resp.json()
+
+
+def wait_for(prom_url: str, expr: str, timeout_s: float) -> None:
+    """Until `expr` returns a non-empty result (e.g. a scrape has seen something)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        answer = query(prom_url, expr)
+        if answer["status"] == "success" and answer["data"]["result"]:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"Prometheus never returned data for {expr}")

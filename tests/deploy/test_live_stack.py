@@ -30,17 +30,21 @@ from tests.deploy.live_stack import (
     start_prometheus,
     start_server,
     stop,
+    wait_for,
 )
 
 CONCURRENCY = (1, 2, 4)
 WAVES = 2
-MAX_TOKENS = 12
-# Panels that must show data right after a load run (the others may legitimately be empty on
-# a server without a drafter, e.g. acceptance).
+MAX_TOKENS = 24
+# Panels that must show data right after a load run. The acceptance panels need rounds that
+# speculated, which is the policy's choice: they are required only when the server drafted.
 PANELS_WITH_DATA = (
     "Output tokens/s", "Live slots", "Throughput (tokens/s)", "TTFT p50 / p99", "ITL p50 / p99",
-    "E2E latency p50 / p99", "Live slots vs capacity", "Tokens/s per tenant",
+    "E2E latency p50 / p99", "Live slots vs capacity", "Backlog", "Tokens/s per tenant",
+    "Spec requests and rows per round", "Route mix (request-rounds/s)",
+    "Predicted vs measured round time", "Round phases (mean)",
 )  # fmt: skip
+PANELS_WITH_DATA_WHEN_DRAFTED = ("Acceptance length", "Acceptance")
 
 
 def _need_prometheus():
@@ -66,36 +70,38 @@ def stack(tmp_path_factory):
         stop(server)
         raise
     try:
-        _wait_for(prom_url, 'up{job="hipfire-serve"} == 1', 30)
-        before = httpx.get(f"{server_root}/metrics").text
+        root = server_root
+        wait_for(prom_url, 'up{job="hipfire-serve"} == 1', 30)
+        # One request first, and a scrape that saw it: the per-request and per-round series
+        # then exist before the load, so every rate over the load has a sample on each side.
+        model_name = httpx.get(f"{root}/v1/models").json()["data"][0]["id"]
+        first = {"model": model_name, "prompt": "hi", "max_tokens": 4}
+        httpx.post(f"{root}/v1/completions", json=first, timeout=60).raise_for_status()
+        wait_for(prom_url, "hipfire:round_rows_count > 0", 30)
+        wait_for(prom_url, "hipfire:time_to_first_token_seconds_count > 0", 30)
+        before = httpx.get(f"{root}/metrics").text
         out = work / "loadgen"
         cmd = [
             *console_script("hipfire-loadgen", "loadtests.cli"),
-            "refill", "--base-url", f"{server_root}/v1",
+            "refill", "--base-url", f"{root}/v1",
             "--concurrency", ",".join(map(str, CONCURRENCY)), "--waves", str(WAVES),
             "--max-tokens", str(MAX_TOKENS), "--cohort", "mixed", "--out", str(out),
             "--label", "live", "--no-progress",
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
-        after = httpx.get(f"{server_root}/metrics").text
-        # Two scrapes and rule evaluations after the load, so rates and rules cover it.
-        time.sleep(2.5)
+        after = httpx.get(f"{root}/metrics").text
+        # A scrape after the load, then rule evaluations over it; every query below is
+        # evaluated at this instant, however long the tests take.
+        total = Snapshot.from_text(after).total("hipfire:generation_tokens_total")
+        wait_for(prom_url, f"sum(hipfire:generation_tokens_total) >= {total}", 30)
+        time.sleep(1.5)
         yield {
-            "prom": prom_url, "loadgen": done, "out": out, "before": before, "after": after,
+            "prom": prom_url, "at": time.time(), "loadgen": done, "out": out,
+            "before": before, "after": after,
         }  # fmt: skip
     finally:
         stop(prom)
         stop(server)
-
-
-def _wait_for(prom_url: str, expr: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        answer = query(prom_url, expr)
-        if answer["status"] == "success" and answer["data"]["result"]:
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"Prometheus never saw {expr}")
 
 
 def test_refill_reports_and_token_counts_match_the_server(stack):
@@ -139,23 +145,45 @@ def test_every_promql_expression_evaluates(stack):
     exprs += [(r["record"], r["record"]) for r in rules() if "record" in r]
     errors = []
     for name, expr in exprs:
-        answer = query(stack["prom"], expr)
+        answer = query(stack["prom"], expr, stack["at"])
         if answer["status"] != "success":
             errors.append(f"{name}: {answer.get('error')}\n  {expr}")
     assert not errors, "\n".join(errors)
 
 
+def test_speculation_figures_when_the_server_drafted(stack):
+    report = json.loads((stack["out"] / "live.json").read_text())
+    for run in report["runs"]:
+        server = run["server"]
+        if server["spec_drafts"] == 0:
+            assert server["acceptance_length"] is None
+            continue
+        assert 1.0 <= server["acceptance_length"] <= 8.0
+        assert 0.0 <= server["acceptance_rate"] <= 1.0
+        assert server["route_mix"]["spec"] > 0
+        assert server["spec_requests_per_round"] > 0
+
+
+def _values(stack, expr: str) -> list[float]:
+    answer = query(stack["prom"], expr, stack["at"])
+    assert answer["status"] == "success", answer
+    return [float(s["value"][1]) for s in answer["data"]["result"]]
+
+
 def test_throughput_latency_and_slot_panels_return_data(stack):
+    required = PANELS_WITH_DATA
+    # Acceptance needs drafts that Prometheus saw happen; whether rounds speculate is the
+    # policy's choice, so those panels are required only then.
+    if any(
+        v > 0 for v in _values(stack, "sum(increase(hipfire:spec_decode_num_drafts_total[1m]))")
+    ):
+        required += PANELS_WITH_DATA_WHEN_DRAFTED
     empty = []
     for title, expr in dashboard_exprs():
-        if title not in PANELS_WITH_DATA:
-            continue
-        result = query(stack["prom"], expr)["data"]["result"]
-        values = [float(s["value"][1]) for s in result]
-        if not values or all(math.isnan(v) for v in values):
-            empty.append(f"{title}: {expr}")
+        if title in required:
+            values = _values(stack, expr)
+            if not values or all(math.isnan(v) for v in values):
+                empty.append(f"{title}: {expr}")
     assert not empty, "no data:\n" + "\n".join(empty)
-    throughput = query(stack["prom"], "model_name:hipfire_generation_tokens:rate1m")
-    assert float(throughput["data"]["result"][0]["value"][1]) > 0
-    capacity = query(stack["prom"], "sum(hipfire:slot_capacity)")
-    assert float(capacity["data"]["result"][0]["value"][1]) == 8
+    assert _values(stack, "model_name:hipfire_generation_tokens:rate1m")[0] > 0
+    assert _values(stack, "sum(hipfire:slot_capacity)") == [8.0]
