@@ -84,12 +84,13 @@ class DraftModelDrafter:
         tokens, the draft KV is valid through the accepted drafts: positions below
         L + min(num_accepted, num_draft - 1) (the last draft was never fed, so a fully accepted
         chain lacks its KV). After AR and prefill rounds the drafter lags and catches up later."""
-        if num_draft > 0:
-            prev_len = len(context) - num_accepted - 1
-            valid_len = prev_len + min(num_accepted, num_draft - 1)
-            self.kv_len[slot] = min(int(self.kv_len[slot]), valid_len)
+        prev_len = len(context) - num_accepted - 1
+        if num_draft > 0 and self.kv_len[slot] == prev_len:
+            # `propose` drafted from exactly this context: the chain's KV of x_1 .. x_{d-1}
+            # sits at positions prev_len .. prev_len + d - 2
+            self.kv_len[slot] = prev_len + min(num_accepted, num_draft - 1)
         else:
-            self.kv_len[slot] = min(int(self.kv_len[slot]), len(context) - 1)
+            self.kv_len[slot] = min(int(self.kv_len[slot]), prev_len)
 
     # -- drafting -----------------------------------------------------------------------------
     def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch:
@@ -138,9 +139,8 @@ class DraftModelDrafter:
             self._sync()
         t_first = time.perf_counter()
         for i in active:
-            r = requests[i]
-            # the whole context now has draft KV; drafts follow (valid only once accepted)
-            self.kv_len[r.slot] = len(r.context) + r.num_draft - 1
+            # the whole context now has draft KV; the drafts' KV becomes valid in `commit`
+            self.kv_len[requests[i].slot] = len(requests[i].context)
 
         # steps 1 .. max_draft-1: one row per request still drafting
         for j in range(1, max_draft):

@@ -31,7 +31,7 @@ import numpy as np
 from executor.drafters.base import DraftBatch, DraftRequest
 
 # trace entries drawn at a time when a request's trace runs out
-_TRACE_CHUNK = 256
+_TRACE_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class _Trace:
     def extend_to(self, num_tokens: int) -> None:
         c = self.cls
         while len(self.accepted) < num_tokens:
-            coins = self.rng.random((_TRACE_CHUNK, 2))  # [chunk, (accept, switch)]
+            coins = self.rng.random((_TRACE_CHUNK, 2)).tolist()  # [chunk, (accept, switch)]
             for accept_u, switch_u in coins:
                 self.accepted.append(bool(accept_u < (c.easy if self.easy else c.hard)))
                 switch_p = c.p_easy_to_hard if self.easy else c.p_hard_to_easy

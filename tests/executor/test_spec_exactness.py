@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from executor.drafters.draft_model import DraftModelDrafter
 from executor.drafters.ngram import NgramDrafter
+from executor.drafters.synthetic import SyntheticDrafter
 from executor.loader import load_model
 from executor.model import Model
 from executor.round_executor import RoundExecutor
@@ -27,6 +29,7 @@ from scheduler.request import RequestSpec
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.fixtures.tiny_models import make_tiny_model
 
+ACCEPTANCE_PROFILE = Path(__file__).resolve().parents[2] / "scheduler/profiles/acceptance.json"
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 160
 SPEC_DEPTH = 16  # rows per speculating request at most: up to 15 drafts
@@ -104,6 +107,8 @@ def make_drafter(kind: str, models: dict[str, Model], num_blocks: int, max_slots
         return None
     if kind == "ngram":
         return NgramDrafter()
+    if kind == "synthetic":
+        return SyntheticDrafter(ACCEPTANCE_PROFILE, "code", seed=0)
     model = models["target"] if kind == "draft-self" else models["draft"]
     cls = MisreportingDrafter if kind == "draft-misreported" else DraftModelDrafter
     return cls(
