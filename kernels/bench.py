@@ -1,6 +1,7 @@
 """Benchmark of the verify-pass kernels on one GPU; writes a JSON record and prints a table.
 
     python -m kernels.bench --out DIR [--tune] [--quick]
+    python -m kernels.bench --render docs/perf/kernels.json   # Markdown tables of a record
 
 Verify attention is timed at contexts 1k/8k/32k, rows per sequence 1/8/16, batch 1/16/64,
 GQA 4 and 8 (8 KV heads, head_dim 128, bf16, 16-token pages scattered over the cache) against
@@ -295,10 +296,16 @@ def bench_small_kernels(device: torch.device) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="folder for kernels.json")
+    ap.add_argument("--out", type=Path, help="folder for kernels.json")
+    ap.add_argument("--render", type=Path, help="print a record's tables as Markdown and exit")
     ap.add_argument("--tune", action="store_true", help="sweep attention tile settings first")
     ap.add_argument("--quick", action="store_true", help="one batch and context only")
     args = ap.parse_args(argv)
+    if args.render:
+        print(markdown_tables(json.loads(args.render.read_text())))
+        return 0
+    if args.out is None:
+        ap.error("--out is required")
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     record = {
@@ -337,6 +344,29 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print_table(record)
     return 0
+
+
+def markdown_tables(record: dict) -> str:
+    """The attention and small-kernel tables of a record, as Markdown."""
+    lines = [
+        "| ctx | batch | rows | GQA | ours us | KV TB/s | % of copy | per-row us | x per-row "
+        "| SDPA us | x SDPA |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in record["attention"]:
+        lines.append(
+            f"| {r['ctx']} | {r['batch']} | {r['rows']} | {r['gqa']} | {r['ours_ms'] * 1e3:.1f} "
+            f"| {r['ours_tbps']:.2f} | {100 * r['ours_frac_copy']:.1f} "
+            f"| {r['per_row_ms'] * 1e3:.1f} | {r['speedup_vs_per_row']:.2f} "
+            f"| {r['sdpa_ms'] * 1e3:.1f} | {r['speedup_vs_sdpa']:.2f} |"
+        )
+    lines += ["", "| kernel | ours us | torch us | speed-up |", "|---|---:|---:|---:|"]
+    for r in record["small_kernels"]:
+        lines.append(
+            f"| {r['kernel']} | {r['ours_ms'] * 1e3:.1f} | {r['torch_ms'] * 1e3:.1f} "
+            f"| {r['speedup']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def print_table(record: dict) -> None:
