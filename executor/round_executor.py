@@ -220,7 +220,11 @@ class RoundExecutor:
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         bucket = 0
         if self.graphs is not None and plan.is_decode_only:
-            bucket = plan.row_bucket if plan.row_bucket >= num_rows else bucket_for(num_rows)
+            # The plan's bucket (the cost model's shape) when it fits the captured range, else
+            # the executor's own; rounds larger than any graph run eagerly.
+            bucket = plan.row_bucket
+            if not num_rows <= bucket <= self.graphs.max_rows:
+                bucket = bucket_for(num_rows)
             if bucket > self.graphs.max_rows:
                 bucket = 0
         self._sync()
