@@ -126,7 +126,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
 }
 
 # gfx11 and gfx12 have WMMA; gfx103x (RDNA2) does not and must not be taken for RDNA3.
-_RDNA3 = re.compile(r"^gfx11(0[0-3]|5[01])$")
+_RDNA3 = re.compile(r"^gfx11(0[0-3]|5[0-3])$")
 _RDNA4 = re.compile(r"^gfx120[01]$")
 _CDNA3 = re.compile(r"^gfx94[0-2]$|^gfx950$")
 

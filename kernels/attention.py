@@ -253,8 +253,10 @@ def verify_attention(
 ) -> torch.Tensor:
     """Causal attention of ragged new rows over the paged cache; returns out [num_rows, Hq, D].
 
-    max_q_len: host-side bound on rows per sequence (e.g. the spec depth of a decode round); it
-        only sizes the tile and never changes results. None assumes up to num_rows.
+    max_q_len: host-side bound on rows per sequence (the spec depth of a decode round, the chunk
+        length with prefill); it only sizes the tile and never changes results. None takes the
+        mean rows per sequence, exact for uniform batches; longer sequences then span several
+        tiles (their KV is read once per tile).
     rows_per_tile: force rows per program (1 gives the per-row baseline that re-reads KV).
     num_splits: KV splits per tile; None picks from the shapes and the GPU size.
     """
@@ -268,7 +270,9 @@ def verify_attention(
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"dtype {q.dtype}"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert cu_q_lens.shape == (num_seqs + 1,) and cu_q_lens.dtype == torch.int32
-    assert seq_lens.dtype == torch.int32
+    assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32
+    devices = {t.device for t in (k_cache, v_cache, cu_q_lens, seq_lens, block_tables)}
+    assert devices == {q.device}, f"all tensors must be on {q.device}, got {devices}"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     assert cu_q_lens.is_contiguous() and seq_lens.is_contiguous()
@@ -286,7 +290,8 @@ def verify_attention(
     if rows_per_tile is None:
         rows_cap = max(1, tiles.max_block_m // group_pad)
         # A tile never spans sequences: rows beyond the longest sequence would only be padding.
-        rows_per_tile = min(_next_pow2(max_q_len or num_rows), _next_pow2(rows_cap))
+        rows_hint = max_q_len if max_q_len is not None else triton.cdiv(num_rows, max(1, num_seqs))
+        rows_per_tile = min(_next_pow2(max(1, rows_hint)), _next_pow2(rows_cap))
     assert rows_per_tile >= 1
     block_m = max(16, _next_pow2(rows_per_tile * group_pad))  # tl.dot needs M >= 16
     num_tiles = triton.cdiv(num_rows, rows_per_tile) + num_seqs
