@@ -49,6 +49,34 @@ def _interp_linear_tail(x, xs: np.ndarray, ys: np.ndarray):
     return np.where(x > xs[-1], ys[-1] + (np.asarray(x) - xs[-1]) * slope, y)
 
 
+TABLE_ROWS = 16384  # row counts with a precomputed cost; larger ones use the linear tail
+
+
+class _Curve:
+    """A profiled cost curve over integer row counts: table lookups inside, linear tail past."""
+
+    def __init__(self, table: np.ndarray, slope: float):
+        self.table = table  # [TABLE_ROWS] cost of each row count
+        self.table_list = table.tolist()
+        self.end = float(table[-1])
+        self.slope = slope
+
+    @classmethod
+    def from_points(cls, xs: np.ndarray, ys: np.ndarray) -> _Curve:
+        table = _interp_linear_tail(np.arange(TABLE_ROWS), xs, ys)
+        return cls(table, float((ys[-1] - ys[-2]) / (xs[-1] - xs[-2])))
+
+    def __call__(self, rows):
+        rows = np.asarray(rows, dtype=np.int64)
+        inside = self.table[np.minimum(rows, TABLE_ROWS - 1)]
+        return np.where(rows < TABLE_ROWS, inside, self.end + (rows - TABLE_ROWS + 1) * self.slope)
+
+    def scalar(self, rows: int) -> float:
+        if rows < TABLE_ROWS:
+            return self.table_list[rows]
+        return self.end + (rows - TABLE_ROWS + 1) * self.slope
+
+
 class ProfileCost:
     """The uncorrected cost curves of a profile JSON (the format of the shared H200 profile)."""
 
@@ -71,6 +99,13 @@ class ProfileCost:
         # Graph buckets are the profiled row counts: these are the shapes that were measured.
         self.row_buckets = np.asarray(self.target_rows, dtype=np.int64)  # [num_points]
         self.name = profile.get("name", "profile")
+        self._target = _Curve.from_points(self.target_rows, self.target_ms_points)
+        self._draft = _Curve.from_points(self.draft_rows, self.draft_ms_points)
+        table_rows = np.arange(TABLE_ROWS)
+        # target cost at the graph bucket of each row count (eager past the largest bucket)
+        self._padded = _Curve(self._target(self.bucket(table_rows)), self._target.slope)
+        self.bucket_index_table = np.searchsorted(self.row_buckets, table_rows)  # [TABLE_ROWS]
+        self.bucket_index_list = self.bucket_index_table.tolist()
 
     @classmethod
     def from_file(cls, path: str | Path) -> ProfileCost:
@@ -86,13 +121,20 @@ class ProfileCost:
 
     def bucket_index(self, num_rows):
         """Shape-bucket id of a row count (len(buckets) for eager shapes)."""
-        return np.searchsorted(self.row_buckets, num_rows)
+        rows = np.asarray(num_rows, dtype=np.int64)
+        last = len(self.row_buckets)
+        return np.where(
+            rows < TABLE_ROWS, self.bucket_index_table[np.minimum(rows, TABLE_ROWS - 1)], last
+        )
+
+    def bucket_index_scalar(self, num_rows: int) -> int:
+        return self.bucket_index_list[num_rows] if num_rows < TABLE_ROWS else len(self.row_buckets)
 
     def target_ms(self, num_rows):
-        return _interp_linear_tail(num_rows, self.target_rows, self.target_ms_points)
+        return self._target(num_rows)
 
     def draft_step_ms(self, num_rows):
-        return _interp_linear_tail(num_rows, self.draft_rows, self.draft_ms_points)
+        return self._draft(num_rows)
 
     def attention_ms(self, num_kv_tokens):
         return np.asarray(num_kv_tokens) * self.kv_ms_per_token
@@ -107,17 +149,42 @@ class ProfileCost:
         num_prefill_rows=0,
         drafter_prefill=False,
     ):
-        """Uncorrected round time in ms (scalars or broadcastable arrays). `num_rows` is padded
-        to its bucket here."""
-        t = self.target_ms(self.bucket(num_rows)) + self.attention_ms(num_kv_tokens)
+        """Uncorrected round time in ms (scalars or broadcastable arrays). Decode-only rounds
+        are padded to their graph bucket; rounds with a prefill chunk run eagerly."""
+        target = self._target if np.any(num_prefill_rows) else self._padded
+        t = target(num_rows) + self.attention_ms(num_kv_tokens)
         draft_depth = np.asarray(draft_depth)
-        spec = draft_depth > 0
-        first = self.draft_step_ms(np.asarray(num_spec) + drafter_lag_rows)
-        rest = (np.maximum(draft_depth, 1) - 1) * self.draft_step_ms(np.maximum(num_spec, 1))
-        t = t + np.where(spec, first + rest, 0.0)
-        if drafter_prefill:
-            prefill = np.asarray(num_prefill_rows)
-            t = t + np.where(prefill > 0, self.draft_step_ms(np.maximum(prefill, 1)), 0.0)
+        num_spec = np.asarray(num_spec)
+        first = self._draft(num_spec + drafter_lag_rows)
+        rest = (np.maximum(draft_depth, 1) - 1) * self._draft(np.maximum(num_spec, 1))
+        t = t + np.where(draft_depth > 0, first + rest, 0.0)
+        if drafter_prefill and np.any(num_prefill_rows):
+            t = t + self._draft(num_prefill_rows)
+        return t
+
+    def round_ms_scalar(
+        self,
+        num_rows: int,
+        num_kv_tokens: int,
+        draft_depth: int = 0,
+        num_spec: int = 0,
+        drafter_lag_rows: int = 0,
+        num_prefill_rows: int = 0,
+        drafter_prefill: bool = False,
+        padded: bool = False,
+    ) -> float:
+        """round_ms for one shape in plain Python (no array overhead). `padded`: num_rows is
+        already the executed (padded or eager) row count."""
+        if padded or num_prefill_rows:
+            t = self._target.scalar(num_rows)
+        else:
+            t = self._padded.scalar(num_rows)
+        t += num_kv_tokens * self.kv_ms_per_token
+        if draft_depth > 0:
+            t += self._draft.scalar(num_spec + drafter_lag_rows)
+            t += (draft_depth - 1) * self._draft.scalar(max(num_spec, 1))
+        if drafter_prefill and num_prefill_rows:
+            t += self._draft.scalar(num_prefill_rows)
         return t
 
 
@@ -133,6 +200,7 @@ class CostModel:
         self._count = np.zeros((2, num_shapes))
         self._global_log_corr = 0.0
         self._eff = np.ones((2, num_shapes))  # exp of the shrunk log correction
+        self._eff_list = self._eff.tolist()
         self.num_observations = 0
 
     @classmethod
@@ -142,6 +210,40 @@ class CostModel:
     def correction(self, num_rows, has_spec) -> np.ndarray:
         idx = self.profile.bucket_index(num_rows)
         return self._eff[np.asarray(has_spec, dtype=np.int64), idx]
+
+    def raw_ms_scalar(
+        self,
+        num_rows,
+        num_kv_tokens,
+        draft_depth=0,
+        num_spec=0,
+        drafter_lag_rows=0,
+        num_prefill_rows=0,
+    ) -> float:
+        return self.profile.round_ms_scalar(
+            num_rows,
+            num_kv_tokens,
+            draft_depth,
+            num_spec,
+            drafter_lag_rows,
+            num_prefill_rows,
+            self.drafter_prefill,
+        )
+
+    def predict_ms_scalar(
+        self,
+        num_rows,
+        num_kv_tokens,
+        draft_depth=0,
+        num_spec=0,
+        drafter_lag_rows=0,
+        num_prefill_rows=0,
+    ) -> float:
+        raw = self.raw_ms_scalar(
+            num_rows, num_kv_tokens, draft_depth, num_spec, drafter_lag_rows, num_prefill_rows
+        )
+        idx = self.profile.bucket_index_scalar(num_rows)
+        return raw * self._eff_list[draft_depth > 0][idx]
 
     def predict_ms(
         self,
@@ -169,7 +271,7 @@ class CostModel:
             return
         log_ratio = math.log(measured_ms / raw_predicted_ms)
         self._count *= CALIB_DECAY
-        s, b = int(has_spec), int(self.profile.bucket_index(num_rows))
+        s, b = int(has_spec), self.profile.bucket_index_scalar(num_rows)
         if self._count[s, b] < 1e-3:
             self._log_corr[s, b] = log_ratio  # first look at this shape: take it as is
         else:
@@ -179,7 +281,8 @@ class CostModel:
         self.num_observations += 1
         conf = self._count / (self._count + CALIB_PRIOR_COUNT)
         self._eff = np.exp(self._global_log_corr + conf * (self._log_corr - self._global_log_corr))
+        self._eff_list = self._eff.tolist()
 
     def confidence(self, num_rows: int, has_spec: bool) -> float:
-        c = self._count[int(has_spec), int(self.profile.bucket_index(num_rows))]
+        c = self._count[int(has_spec), self.profile.bucket_index_scalar(num_rows)]
         return float(c / (c + CALIB_PRIOR_COUNT))

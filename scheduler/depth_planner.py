@@ -10,10 +10,19 @@ The round time is not additive: target rows are padded to a graph bucket, the dr
 costs one step per position of the *deepest* request (d_max) over all speculating requests, and
 the first step also catches the drafter up on tokens it missed. So for every cap c = d_max in
 1..D we rank the positions with j <= c by value (a marginal-gain order: each next position adds
-its survival probability and one row), evaluate tokens / predicted ms for every prefix of that
-ranking with the exact cost (buckets, drafter, KV term, calibration), and keep the best prefix
-over all caps, or no speculation at all when that is better. The search is one argsort of
-n * D values and a few [D, n * D] array operations per round.
+its survival probability and one row), evaluate every prefix of that ranking with the exact
+cost (buckets, drafter, KV term, calibration), and keep the best prefix over all caps, or no
+speculation at all when that is better. The search is one argsort of n * D values and a few
+[D, n * D] array operations per round.
+
+What "best" means: the long-run rate is total tokens / total time, and the rounds' states
+differ (a request is easy now, hard later). Maximising each round's own ratio tokens / ms would
+compare a position's survival with *this* round's rate: too low a bar while requests are hard
+(over-speculating) and too high a bar while they are easy. The renewal-reward optimum instead
+maximises `tokens - rate_bar * ms` every round, where `rate_bar` is the long-run rate of the
+regime (Dinkelbach's parametric form of a ratio objective): a position is taken when its
+survival pays for its marginal time at the rate the server earns on average. The policy passes
+the regime's rate (see policy.py); rate_bar = 0 keeps the plain per-round ratio.
 """
 
 from __future__ import annotations
@@ -44,9 +53,10 @@ def plan_depths(
     base_kv_tokens: int,
     base_tokens: float,  # tokens without drafts: sum(weights) + prefill completions
     num_prefill_rows: int,
+    rate_bar: float = 0.0,
 ) -> DepthChoice:
     n, max_drafts = survival.shape
-    ar_ms = float(cost_model.predict_ms(base_rows, base_kv_tokens, 0, 0, 0, num_prefill_rows))
+    ar_ms = cost_model.predict_ms_scalar(base_rows, base_kv_tokens, 0, 0, 0, num_prefill_rows)
     none = DepthChoice(np.zeros(n, dtype=np.int64), ar_ms, base_tokens, ar_ms, base_tokens)
     if n == 0 or max_drafts == 0:
         return none
@@ -75,17 +85,19 @@ def plan_depths(
         lag,
         num_prefill_rows,
     )  # [D, P]
-    rate = tokens / ms
+    # Objective: tokens - rate_bar * ms (see module doc); rate_bar 0 falls back to tokens / ms.
+    rate = tokens - rate_bar * ms if rate_bar > 0 else tokens / ms
     # A prefix must contain every forced position, and a prefix must end on a position inside
     # the cap (other prefixes repeat their predecessor's selection).
     valid = in_cap.copy()
     if num_forced:
         valid[:, : num_forced - 1] = False
         # a forced request deeper than the cap is still at depth >= 1, always inside every cap
-    rate = np.where(valid, rate, -1.0)
+    rate = np.where(valid, rate, -np.inf)
     best = int(np.argmax(rate))
     cap_idx, last = divmod(best, rate.shape[1])
-    if num_forced == 0 and rate.flat[best] <= base_tokens / ar_ms:
+    ar_value = base_tokens - rate_bar * ar_ms if rate_bar > 0 else base_tokens / ar_ms
+    if num_forced == 0 and rate.flat[best] <= ar_value:
         return none
     chosen = in_cap[cap_idx, : last + 1]
     num_draft = np.bincount(req_of[: last + 1][chosen], minlength=n).astype(np.int64)

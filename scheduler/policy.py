@@ -27,6 +27,9 @@ HYSTERESIS = 0.03
 # switching to speculation yields at least one observation before it can be dropped again.
 # Arrivals and departures lift the dwell: the plan is re-made at once on a new cohort.
 MIN_DWELL_ROUNDS = 2
+# EMA weight of one round in the rate bar: ~20 rounds, enough to average the luck of single
+# rounds, short enough to follow a change of regime (arrivals, drain) within a second or so.
+RATE_ALPHA = 0.05
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class DecodeView:
     num_live: int
     cohort_changed: bool  # arrivals or departures since the last round
     draining: bool  # nothing waiting: finishing the live requests is what counts
+    rate_bar: float = 0.0  # tokens per ms a draft position must pay for (0: per-round ratio)
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,34 @@ class SpecPolicy(Protocol):
     def decide(
         self, view: DecodeView, estimator: AcceptanceEstimator, cost_model: CostModel
     ) -> Decision: ...
+
+
+class RateTracker:
+    """The long-run rate a draft position must pay for (the `rate_bar` of depth_planner).
+
+    Kept as an uplift over the batch's all-AR rate: EMA(tokens emitted) / EMA(tokens all-AR
+    would have emitted in the same measured time). Realized, so it carries the true acceptance
+    of the requests (no selection bias from estimating only on speculated positions); relative
+    to AR, so it follows the regime: a shrinking batch while draining or a prefill-heavy round
+    has a lower AR rate and with it a lower bar. Starting at 1 (the AR rate), the bar climbs to
+    the rate the policy actually achieves (Dinkelbach's iteration, one step per round).
+    """
+
+    def __init__(self, alpha: float = RATE_ALPHA):
+        self.alpha = alpha
+        self._tokens = 1.0
+        self._ar_tokens = 1.0
+
+    @property
+    def uplift(self) -> float:
+        return self._tokens / self._ar_tokens
+
+    def observe(self, num_tokens: float, measured_ms: float, ar_rate: float) -> None:
+        if measured_ms <= 0 or ar_rate <= 0:
+            return
+        a = self.alpha
+        self._tokens += a * (num_tokens - self._tokens)
+        self._ar_tokens += a * (measured_ms * ar_rate - self._ar_tokens)
 
 
 def depth_caps(view: DecodeView) -> np.ndarray:
@@ -129,6 +161,7 @@ class AdaptivePolicy:
             view.base_kv_tokens,
             view.base_tokens,
             view.num_prefill_rows,
+            view.rate_bar,
         )
         num_spec = int(np.count_nonzero(choice.num_draft))
         gain = (choice.predicted_tokens / choice.predicted_ms) / (

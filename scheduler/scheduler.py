@@ -33,6 +33,7 @@ from scheduler.policy import (
     AllARPolicy,
     AllSpecPolicy,
     DecodeView,
+    RateTracker,
     SpecPolicy,
 )
 from scheduler.request import SPECULATION_CHOICES, ReqState, Request, RequestDelta, RequestSpec
@@ -155,6 +156,8 @@ class Scheduler:
         self._last_reason = ""
         self._last_plan: RoundPlan | None = None
         self._last_measured_ms = 0.0
+        self.rate_tracker = RateTracker()
+        self._round_ar_rate = 0.0  # tokens per ms of the last plan's all-AR alternative
         self._num_switches = 0
         self._num_preemptions = 0
         self._num_drafted = 0
@@ -343,21 +346,12 @@ class Scheduler:
         predicted_ms = 0.0
         self._last_raw_ms = 0.0
         if reqs:
-            self._last_raw_ms = float(
-                self.cost_model.profile.round_ms(
-                    total_rows,
-                    kv_tokens,
-                    d_max,
-                    num_spec,
-                    lag,
-                    num_prefill_rows,
-                    self.cost_model.drafter_prefill,
-                )
+            cm = self.cost_model
+            self._last_raw_ms = cm.raw_ms_scalar(
+                total_rows, kv_tokens, d_max, num_spec, lag, num_prefill_rows
             )
-            predicted_ms = float(
-                self.cost_model.predict_ms(
-                    total_rows, kv_tokens, d_max, num_spec, lag, num_prefill_rows
-                )
+            predicted_ms = cm.predict_ms_scalar(
+                total_rows, kv_tokens, d_max, num_spec, lag, num_prefill_rows
             )
         predicted_tokens = float(len(decoders)) + float(
             sum(1 for r, c in prefills if r.num_computed + c == r.num_prefill_target)
@@ -393,20 +387,31 @@ class Scheduler:
     def _decide(self, decoders: list[Request], prefills) -> list[int]:
         n = len(decoders)
         self._last_extra_tokens = 0.0
+        self._round_ar_rate = 0.0
         if n == 0 or self.config.max_drafts == 0:
             self._last_reason = "no decoding request" if n == 0 else "no speculation"
             return [0] * n
         cfg = self.config
         remaining = np.fromiter((r.num_remaining for r in decoders), np.int64, n)
-        draining = self.admission.num_waiting == 0
+        # Drain: nobody waits and slots are free, so capacity is not what limits the server;
+        # the live requests finishing is. The last to finish sets the makespan, so a token is
+        # worth its request's share of the largest remaining work.
+        draining = self.admission.num_waiting == 0 and len(self._live) < cfg.max_concurrency
         if draining:
-            # No backlog: completing requests is what counts, so a token is worth the fraction
-            # of its request's remaining work it completes (scaled so the shortest is worth 1).
-            weights = remaining.min() / np.maximum(remaining, 1)
+            weights = remaining / max(int(remaining.max()), 1)
         else:
             weights = np.ones(n)
         num_prefill_rows = sum(c for _, c in prefills)
         prefill_done = sum(1 for r, c in prefills if r.num_computed + c == r.num_prefill_target)
+        base_rows = n + num_prefill_rows
+        base_kv_tokens = sum(r.num_computed + 1 for r in decoders) + sum(
+            r.num_computed + c for r, c in prefills
+        )
+        base_tokens = float(weights.sum()) + prefill_done
+        ar_ms = self.cost_model.predict_ms_scalar(
+            base_rows, base_kv_tokens, 0, 0, 0, num_prefill_rows
+        )
+        self._round_ar_rate = (n + prefill_done) / ar_ms
         view = DecodeView(
             req_ids=np.fromiter((r.req_id for r in decoders), np.int64, n),
             slots=np.fromiter((r.slot for r in decoders), np.int64, n),
@@ -422,14 +427,14 @@ class Scheduler:
             ),
             weights=weights,
             max_drafts=cfg.max_drafts,
-            base_rows=n + num_prefill_rows,
-            base_kv_tokens=sum(r.num_computed + 1 for r in decoders)
-            + sum(r.num_computed + c for r, c in prefills),
-            base_tokens=float(weights.sum()) + prefill_done,
+            base_rows=base_rows,
+            base_kv_tokens=base_kv_tokens,
+            base_tokens=base_tokens,
             num_prefill_rows=num_prefill_rows,
             num_live=len(self._live),
             cohort_changed=self._cohort_changed,
             draining=draining,
+            rate_bar=self.rate_tracker.uplift * base_tokens / ar_ms,
         )
         decision = self.policy.decide(view, self.estimator, self.cost_model)
         self._last_reason = decision.reason
@@ -544,6 +549,9 @@ class Scheduler:
                 self._num_drafted += planned.num_draft
                 self._num_accepted += num_acc
             deltas.append(self._commit_tokens(req, res, planned))
+        if self._round_ar_rate > 0:
+            num_tokens = sum(len(r.token_ids) for r in result.reqs)
+            self.rate_tracker.observe(num_tokens, measured_ms, self._round_ar_rate)
         if spec_slots:
             self.estimator.observe(
                 np.asarray(spec_slots), np.asarray(spec_drafted), np.asarray(spec_accepted)

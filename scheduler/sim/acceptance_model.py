@@ -1,9 +1,18 @@
 """The simulator's acceptance model (format of the shared `acceptance.json`).
 
 Each request draws a class by weight. Within a request a two-state Markov chain (easy/hard)
-moves once per generated token; a drafted position is accepted with the current state's
-probability and a chain stops at its first rejection. The hidden state is what the oracle may
-see: its survival curve is exact, `s_j = P(positions 1..j all accepted | state now)`.
+moves once per generated token; a drafted token is accepted with the probability of the state
+at its position, and a chain stops at its first rejection.
+
+The chain and the acceptance draws are fixed per request and *per output position* (from the
+seed and the request id), so every policy faces exactly the same sequence of easy and hard
+stretches and the same lucky or unlucky draws (common random numbers): differences between
+policies come from their decisions alone. A draft at output position t is accepted iff
+`u[t] < p(state[t])`; a chain of d drafts starting at position t accepts
+`min(d, run[t])` where `run[t]` counts consecutive acceptable positions from t.
+
+The oracle sees the state at the next position (not the draws) and gets the exact survival
+`s_j = P(positions t..t+j-1 all accepted | state[t])` from the chain's transition law.
 """
 
 from __future__ import annotations
@@ -45,86 +54,86 @@ def load_cohorts(path: str | Path) -> dict[str, tuple[AcceptanceClass, ...]]:
     }
 
 
-class AcceptanceState:
-    """Hidden per-slot acceptance state of the live requests, vectorised over slots."""
+class _RequestPath:
+    """One request's hidden states and acceptance run lengths over its output positions."""
 
-    def __init__(self, classes: tuple[AcceptanceClass, ...], num_slots: int, seed: int):
+    __slots__ = ("cls", "run", "state")
+
+    def __init__(self, cls: AcceptanceClass, rng: np.random.Generator, length: int):
+        self.cls = cls
+        state = EASY if rng.random() < cls.stationary_easy else HARD
+        # Alternate geometric holding times (a switch after each token w.p. p_leave).
+        states = np.empty(length, dtype=np.int8)  # [length]
+        pos = 0
+        while pos < length:
+            p_leave = cls.p_easy_to_hard if state == EASY else cls.p_hard_to_easy
+            hold = int(rng.geometric(p_leave)) if p_leave > 0 else length
+            states[pos : pos + hold] = state
+            pos += hold
+            state = 1 - state
+        p = np.where(states == EASY, cls.easy, cls.hard)  # [length]
+        ok = rng.random(length) < p  # [length]
+        # run[t] = consecutive acceptable positions from t: next rejection index - t
+        idx = np.arange(length)
+        next_reject = np.where(~ok, idx, length)
+        next_reject = np.minimum.accumulate(next_reject[::-1])[::-1]
+        self.run = (next_reject - idx).tolist()  # Python ints: O(1) lookups per chain
+        self.state = states
+
+
+class AcceptanceState:
+    """Hidden acceptance of the live requests, addressed by slot."""
+
+    def __init__(self, classes: tuple[AcceptanceClass, ...], seed: int, max_len: int = 8192):
         self.classes = classes
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
+        self.max_len = max_len
         weights = np.array([c.weight for c in classes])
         self._class_p = weights / weights.sum()
-        self.p_accept = np.zeros((num_slots, 2))  # [slots, state] acceptance per state
-        self.p_switch = np.zeros((num_slots, 2))  # [slots, state] P(leave this state)
-        self.state = np.zeros(num_slots, dtype=np.int64)  # [slots] EASY or HARD
-        self._saved: dict[int, tuple[int, int]] = {}  # req_id -> (class, state) across preemption
+        self._paths: dict[int, _RequestPath] = {}
+        self._slot_path: dict[int, _RequestPath] = {}
 
     def mean_acceptance(self) -> float:
         return float(sum(p * c.mean_acceptance for p, c in zip(self._class_p, self.classes)))
 
+    def path(self, req_id: int) -> _RequestPath:
+        path = self._paths.get(req_id)
+        if path is None:
+            rng = np.random.default_rng([self.seed, req_id])
+            cls = self.classes[int(rng.choice(len(self.classes), p=self._class_p))]
+            path = _RequestPath(cls, rng, self.max_len)
+            self._paths[req_id] = path
+        return path
+
     def enter(self, slot: int, req_id: int) -> None:
-        saved = self._saved.get(req_id)
-        if saved is None:
-            cls_idx = int(self.rng.choice(len(self.classes), p=self._class_p))
-            state = EASY if self.rng.random() < self.classes[cls_idx].stationary_easy else HARD
-        else:
-            cls_idx, state = saved
-        c = self.classes[cls_idx]
-        self.p_accept[slot] = (c.easy, c.hard)
-        self.p_switch[slot] = (c.p_easy_to_hard, c.p_hard_to_easy)
-        self.state[slot] = state
-        self._saved[req_id] = (cls_idx, state)
+        self._slot_path[slot] = self.path(req_id)
 
-    def leave(self, slot: int, req_id: int) -> None:
-        """Keeps the request's hidden state: a preempted request resumes where it was."""
-        if req_id in self._saved:
-            self._saved[req_id] = (self._saved[req_id][0], int(self.state[slot]))
+    def leave(self, slot: int) -> None:
+        self._slot_path.pop(slot, None)
 
-    def step_tokens(self, slots: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Moves each slot's chain once per generated token."""
-        remaining = num_tokens.copy()
-        while True:
-            active = remaining > 0
-            if not active.any():
-                return
-            s = slots[active]
-            flip = self.rng.random(len(s)) < self.p_switch[s, self.state[s]]
-            self.state[s] ^= flip
-            remaining[active] -= 1
+    def accepted(self, slot: int, position: int, num_draft: int) -> int:
+        """Accepted prefix of a chain of `num_draft` drafts starting at output `position`."""
+        run = self._slot_path[slot].run
+        return min(num_draft, run[position]) if position < len(run) else 0
 
-    def run_chains(self, slots: np.ndarray, num_draft: np.ndarray) -> np.ndarray:
-        """Accepted prefix length of each chain; moves the states over the emitted tokens
-        (accepted drafts, then the correction or bonus token)."""
+    def true_survival(
+        self, slots: np.ndarray, positions: np.ndarray, max_drafts: int
+    ) -> np.ndarray:
+        """[n, max_drafts] exact P(drafts 1..j accepted) given the state at each next position."""
         n = len(slots)
-        accepted = np.zeros(n, dtype=np.int64)
-        alive = num_draft > 0
-        for j in range(int(num_draft.max(initial=0))):
-            alive &= num_draft > j
-            if not alive.any():
-                break
-            s = slots[alive]
-            ok = self.rng.random(len(s)) < self.p_accept[s, self.state[s]]
-            idx = np.flatnonzero(alive)
-            accepted[idx[ok]] += 1
-            alive[idx[~ok]] = False
-            # an accepted draft is a generated token: the chain moves
-            s_ok = s[ok]
-            flip = self.rng.random(len(s_ok)) < self.p_switch[s_ok, self.state[s_ok]]
-            self.state[s_ok] ^= flip
-        self.step_tokens(slots, np.ones(n, dtype=np.int64))  # correction / bonus token
-        return accepted
-
-    def true_survival(self, slots: np.ndarray, max_drafts: int) -> np.ndarray:
-        """[n, max_drafts] exact P(positions 1..j accepted) from each slot's current state."""
-        n = len(slots)
+        p_acc = np.empty((n, 2))  # [n, state]
+        p_sw = np.empty((n, 2))  # [n, state] P(leave the state) per token
         belief = np.zeros((n, 2))  # [n, state] P(state, all accepted so far)
-        belief[np.arange(n), self.state[slots]] = 1.0
-        p_acc = self.p_accept[slots]  # [n, 2]
-        p_sw = self.p_switch[slots]  # [n, 2]
+        for i, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist())):
+            path = self._slot_path[slot]
+            c = path.cls
+            p_acc[i] = (c.easy, c.hard)
+            p_sw[i] = (c.p_easy_to_hard, c.p_hard_to_easy)
+            belief[i, path.state[min(pos, len(path.state) - 1)]] = 1.0
         out = np.empty((n, max_drafts))
         for j in range(max_drafts):
             belief = belief * p_acc
             out[:, j] = belief.sum(1)
-            stay = belief * (1 - p_sw)
             move = belief * p_sw
-            belief = stay + move[:, ::-1]
+            belief = belief - move + move[:, ::-1]
         return out

@@ -10,9 +10,9 @@ same, which the tests check.
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Callable
-
-import numpy as np
 
 from scheduler.cost_model import ProfileCost
 from scheduler.plan import Mode, PhaseTimes, ReqResult, RoundPlan, RoundResult, TokenLogprob
@@ -36,94 +36,85 @@ class SimExecutor:
         time_scale: Callable[[int, bool], float] | None = None,
         drafter_prefill: bool = True,
         token_fn: Callable[[int, int], int] = default_token,
+        max_output_len: int = 8192,
     ):
         self.profile = profile
-        self.acceptance = AcceptanceState(classes, num_slots, seed + 1)
-        self.rng = np.random.default_rng(seed + 2)
+        self.acceptance = AcceptanceState(classes, seed, max_output_len + 64)
+        self.rng = random.Random(seed + 2)
         self.noise_sigma = noise_sigma
         self.time_scale = time_scale
         self.drafter_prefill = drafter_prefill
         self.token_fn = token_fn
-        self.slot_req = np.full(num_slots, -1, dtype=np.int64)  # [slots] req_id or -1
-        self.slot_next_index = np.zeros(num_slots, dtype=np.int64)  # [slots] next output index
-        self.slot_lag = np.zeros(num_slots, dtype=np.int64)  # [slots] tokens the drafter missed
-        self.slot_context_len = np.zeros(num_slots, dtype=np.int64)
-        self.slot_logprobs = np.zeros(num_slots, dtype=bool)  # [slots] request wants logprobs
-
-    def true_round_ms(self, num_rows, num_kv_tokens, depth, num_spec, lag, prefill_rows) -> float:
-        return float(
-            self.profile.round_ms(
-                num_rows, num_kv_tokens, depth, num_spec, lag, prefill_rows, self.drafter_prefill
-            )
-        )
+        self.slot_req = [-1] * num_slots  # req_id per slot, -1 free
+        self.slot_next_index = [0] * num_slots  # next output index per slot
+        self.slot_lag = [0] * num_slots  # tokens the drafter has not seen
+        self.slot_logprobs = [False] * num_slots  # the request asked for logprobs
 
     def run(self, plan: RoundPlan) -> RoundResult:
         for slot in plan.release:
-            req_id = int(self.slot_req[slot])
-            if req_id >= 0:
-                self.acceptance.leave(slot, req_id)
+            self.acceptance.leave(slot)
             self.slot_req[slot] = -1
         for setup in plan.setup:
             assert self.slot_req[setup.slot] == -1, f"slot {setup.slot} set up while in use"
             self.slot_req[setup.slot] = setup.req_id
             self.slot_next_index[setup.slot] = setup.num_output_tokens
             self.slot_lag[setup.slot] = 0
-            self.slot_context_len[setup.slot] = len(setup.context_token_ids)
             self.slot_logprobs[setup.slot] = setup.sampling.logprobs is not None
             self.acceptance.enter(setup.slot, setup.req_id)
 
-        spec = [r for r in plan.reqs if r.mode == Mode.SPEC]
-        spec_slots = np.array([r.slot for r in spec], dtype=np.int64)
-        spec_draft = np.array([r.num_draft for r in spec], dtype=np.int64)
-        lag = int(self.slot_lag[spec_slots].sum()) if len(spec) else 0
-        accepted = self.acceptance.run_chains(spec_slots, spec_draft) if len(spec) else []
-        accepted_of = {r.req_id: int(a) for r, a in zip(spec, accepted)}
-        ar_slots = [
-            r.slot for r in plan.reqs if r.mode == Mode.AR or (r.mode == Mode.PREFILL and r.sample)
-        ]
-        if ar_slots:
-            self.acceptance.step_tokens(
-                np.array(ar_slots, dtype=np.int64), np.ones(len(ar_slots), dtype=np.int64)
-            )
-
         results = []
-        num_prefill_rows = 0
+        num_prefill_rows = num_spec = lag = 0
+        token_fn = self.token_fn
         for r in plan.reqs:
-            assert self.slot_req[r.slot] == r.req_id, f"slot {r.slot} does not hold {r.req_id}"
+            slot = r.slot
+            assert self.slot_req[slot] == r.req_id, f"slot {slot} does not hold {r.req_id}"
+            start = self.slot_next_index[slot]
+            accepted = 0
             if r.mode == Mode.PREFILL:
                 num_prefill_rows += r.num_new
                 num_emit = 1 if r.sample else 0
-                self.slot_lag[r.slot] = 0
+                self.slot_lag[slot] = 0
             elif r.mode == Mode.AR:
                 num_emit = 1
-                self.slot_lag[r.slot] += 1
+                self.slot_lag[slot] += 1
             else:
-                num_emit = 1 + accepted_of[r.req_id]
-                self.slot_lag[r.slot] = 0
-            start = int(self.slot_next_index[r.slot])
-            tokens = tuple(self.token_fn(r.req_id, start + i) for i in range(num_emit))
-            self.slot_next_index[r.slot] = start + num_emit
+                num_spec += 1
+                lag += self.slot_lag[slot]
+                self.slot_lag[slot] = 0
+                accepted = self.acceptance.accepted(slot, start, r.num_draft)
+                num_emit = 1 + accepted
+            tokens = tuple(token_fn(r.req_id, start + i) for i in range(num_emit))
+            self.slot_next_index[slot] = start + num_emit
             results.append(
                 ReqResult(
                     req_id=r.req_id,
                     token_ids=tokens,
                     num_drafted=r.num_draft,
-                    num_accepted=accepted_of.get(r.req_id, 0),
-                    logprobs=self._logprobs(tokens) if self.slot_logprobs[r.slot] else None,
+                    num_accepted=accepted,
+                    logprobs=tuple(TokenLogprob(t, -0.5) for t in tokens)
+                    if self.slot_logprobs[slot]
+                    else None,
                 )
             )
 
         rows = plan.row_bucket or plan.num_rows
-        depth = plan.spec_depth - 1 if spec else 0
-        ms = (
-            self.true_round_ms(rows, plan.num_kv_tokens, depth, len(spec), lag, num_prefill_rows)
-            if plan.reqs
-            else 0.0
-        )
-        if self.time_scale is not None and plan.reqs:
-            ms *= self.time_scale(plan.num_rows, bool(spec))
-        if self.noise_sigma > 0 and plan.reqs:
-            ms *= float(np.exp(self.rng.normal(0.0, self.noise_sigma)))
+        ms = 0.0
+        if plan.reqs:
+            depth = plan.spec_depth - 1 if num_spec else 0
+            ms = self.profile.round_ms_scalar(
+                rows,
+                plan.num_kv_tokens,
+                depth,
+                num_spec,
+                lag,
+                num_prefill_rows,
+                self.drafter_prefill,
+                padded=True,
+            )
+            if self.time_scale is not None:
+                ms *= self.time_scale(plan.num_rows, num_spec > 0)
+            if self.noise_sigma > 0:
+                ms *= math.exp(self.rng.gauss(0.0, self.noise_sigma))
         return RoundResult(
             round_id=plan.round_id,
             reqs=tuple(results),
@@ -134,5 +125,6 @@ class SimExecutor:
             graph_replayed=plan.row_bucket > 0,
         )
 
-    def _logprobs(self, tokens: tuple[int, ...]) -> tuple[TokenLogprob, ...] | None:
-        return tuple(TokenLogprob(t, -0.5) for t in tokens)
+    def next_positions(self, slots) -> list[int]:
+        """Next output index of each slot (what the oracle's survival starts from)."""
+        return [self.slot_next_index[s] for s in slots]
