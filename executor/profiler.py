@@ -281,11 +281,14 @@ def build_profile(
     # Effective KV read rate: per row count, slope of time over total KV tokens; median.
     rates = []
     for n in rows:
-        pts = sorted((kv_len * min(n, ex.max_slots), ms) for m, kv_len, ms in grid if m == n)
+        num_seqs = -(-n // (1 if n <= ex.max_slots else -(-n // ex.max_slots)))
+        pts = sorted((kv_len * num_seqs, ms) for m, kv_len, ms in grid if m == n)
         if len(pts) >= 2 and pts[-1][1] > pts[0][1]:
             dt_ms = pts[-1][1] - pts[0][1]
             rates.append((pts[-1][0] - pts[0][0]) * kv_bytes / (dt_ms * 1e-3) / 1e12)
-    kv_rate = statistics.median(rates) if rates else 1.0
+    # When round time does not grow with context (tiny models, noise), the KV term is
+    # negligible: a very high rate says so, and `kv_rate_fitted` records it.
+    kv_rate = statistics.median(rates) if rates else 1e3
     device = target.device
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     profile = {
@@ -308,7 +311,8 @@ def build_profile(
             "weight_bytes": target.num_params * elt,
             "rows_ms": rows_ms,
             "kv_bytes_per_token": kv_bytes,
-            "kv_read_TBps_assumed": round(kv_rate, 4),
+            "kv_read_TBps_assumed": float(f"{kv_rate:.4g}"),
+            "kv_rate_fitted": bool(rates),
             "rows_kv_ms": grid,
         },
     }

@@ -1,0 +1,56 @@
+"""The cost profiler writes a profile the scheduler's cost model reads, and the engine picks a
+cached profile up by its key."""
+
+from __future__ import annotations
+
+import json
+
+from executor import profiler
+from hipfire_serve.cli import main as cli_main
+from hipfire_serve.config import EngineConfig
+from hipfire_serve.engine import Engine
+from scheduler.cost_model import CostModel
+from tests.fixtures.tiny_models import make_tiny_model
+
+
+def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeypatch):
+    model = make_tiny_model(tmp_path / "m", "llama")
+    out = tmp_path / "profile.json"
+    rc = cli_main(["profile", "--model", str(model), "--draft", "ngram", "--device", "cpu",
+                   "--max-concurrency", "4", "--spec-depth", "4", "--kv-cache-memory", "16MiB",
+                   "--rows", "1,2,8", "--kv-lens", "16,64", "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    prof = json.loads(out.read_text())
+    rows = [r for r, _ in prof["target"]["rows_ms"]]
+    assert rows == [1, 2, 8]  # 8 rows > 4 slots: measured as speculative groups
+    assert all(ms > 0 for _, ms in prof["target"]["rows_ms"])
+    assert {tuple(x[:2]) for x in prof["target"]["rows_kv_ms"]} == {
+        (r, k) for r in (1, 2, 8) for k in (16, 64)
+    }
+    assert prof["target"]["kv_read_TBps_assumed"] > 0
+    cm = CostModel.from_file(out)
+    assert cm.predict_ms(2, 32) > 0
+
+    # the engine finds the profile in the cache by its key
+    monkeypatch.setattr(profiler, "CACHE_DIR", tmp_path / "cache")
+    cfg = EngineConfig(model=str(model), draft="ngram", device="cpu", max_concurrency=4,
+                       spec_depth=4, kv_cache_memory="16MiB")
+    engine = Engine(cfg)
+    key = profiler.profile_key(str(engine.target_dir), engine.draft_spec, engine.device,
+                               engine.target.dtype, cfg.block_size, cfg.max_concurrency)
+    cached = profiler.cached_profile_path(key)
+    cached.parent.mkdir(parents=True)
+    cached.write_text(out.read_text())
+    engine = Engine(cfg)
+    assert engine.scheduler.cost_model.profile.name == prof["name"]
+
+
+def test_bad_profile_path_is_a_clear_error(tmp_path):
+    model = make_tiny_model(tmp_path / "m", "llama")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    import pytest
+
+    with pytest.raises(ValueError, match="cannot read cost profile"):
+        Engine(EngineConfig(model=str(model), device="cpu", kv_cache_memory="16MiB",
+                            cost_profile=str(bad)))
