@@ -82,6 +82,22 @@ class App:
             return await self._lifespan(receive, send)
         if scope["type"] != "http":
             return
+        response_started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal response_started
+            response_started = True
+            await send(message)
+
+        try:
+            await self._route(scope, receive, tracked_send)
+        except Exception:
+            # A bug, not a client error: log it, answer 500 in the API's shape if still possible.
+            logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if not response_started:
+                await http.send_error(send, 500, "internal server error")
+
+    async def _route(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope["path"].rstrip("/") or "/"
         method = _ROUTES.get(path)
         if method is None:

@@ -254,7 +254,7 @@ class Generation:
         ttft = None if self._first_token_at is None else self._first_token_at - self.arrival
         charged = self.plan.max_tokens_charged - sum(c.num_tokens for c in self.choices)
         for choice in self.choices:
-            reason = forced_reason or choice.finish_reason or "abort"
+            reason = choice.finish_reason or forced_reason or "abort"
             self.metrics.request_finished(
                 self.tenant,
                 reason,

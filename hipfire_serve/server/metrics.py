@@ -71,6 +71,7 @@ class ServerMetrics:
     def __init__(self, model_name: str, *, vllm_compat: bool = False) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple, Any] = {}
         r = self.registry
         m = ("model_name",)
         mt = ("model_name", "tenant")
@@ -206,59 +207,68 @@ class ServerMetrics:
             vllm_sources = [getattr(self, attr) for attr in _ATTR_OF_VLLM_NAME.values()]
             self.registry.register(_VllmAliases(vllm_sources))
 
+    def _c(self, metric: Any, *labels: str) -> Any:
+        """The metric's child for `labels`, cached: `.labels()` validates on every call, and
+        these updates run for every round and every streamed delta."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     # --- updates (event-loop thread) ---
 
     def observe_engine(self, stats: Any) -> None:
         """One `Engine.stats()` snapshot: gauges, and the rounds it drained."""
         name = self.model_name
-        self.num_requests_running.labels(name).set(stats.num_running)
-        self.num_requests_waiting.labels(name).set(stats.num_waiting)
-        self.kv_cache_usage_perc.labels(name).set(stats.kv_usage)
-        self.live_slots.labels(name).set(stats.live_slots)
-        self.slot_capacity.labels(name).set(stats.slot_capacity)
+        self._c(self.num_requests_running, name).set(stats.num_running)
+        self._c(self.num_requests_waiting, name).set(stats.num_waiting)
+        self._c(self.kv_cache_usage_perc, name).set(stats.kv_usage)
+        self._c(self.live_slots, name).set(stats.live_slots)
+        self._c(self.slot_capacity, name).set(stats.slot_capacity)
         for rnd in stats.rounds:
             self.observe_round(rnd)
 
     def observe_round(self, rnd: Any) -> None:
         name = self.model_name
-        self.round_rows.labels(name).observe(rnd.num_rows)
-        self.round_spec_requests.labels(name).observe(rnd.num_spec)
+        self._c(self.round_rows, name).observe(rnd.num_rows)
+        self._c(self.round_spec_requests, name).observe(rnd.num_spec)
         for route, count in zip(ROUTES, (rnd.num_spec, rnd.num_ar, rnd.num_prefill)):
             if count:
-                self.round_route.labels(name, route).inc(count)
+                self._c(self.round_route, name, route).inc(count)
         for phase, seconds in rnd.phase_s.items():
-            self.round_duration.labels(name, phase).observe(seconds)
-        self.round_predicted.labels(name).observe(rnd.predicted_s)
-        self.round_measured.labels(name).observe(rnd.measured_s)
+            self._c(self.round_duration, name, phase).observe(seconds)
+        self._c(self.round_predicted, name).observe(rnd.predicted_s)
+        self._c(self.round_measured, name).observe(rnd.measured_s)
         if rnd.policy_switches:
-            self.policy_switches.labels(name).inc(rnd.policy_switches)
+            self._c(self.policy_switches, name).inc(rnd.policy_switches)
         if rnd.num_spec:
-            self.spec_decode_num_drafts.labels(name).inc(rnd.num_spec)
+            self._c(self.spec_decode_num_drafts, name).inc(rnd.num_spec)
         drafted = sum(rnd.drafted_per_pos)
         accepted = sum(rnd.accepted_per_pos)
         if drafted:
-            self.spec_decode_num_draft_tokens.labels(name).inc(drafted)
+            self._c(self.spec_decode_num_draft_tokens, name).inc(drafted)
         if accepted:
-            self.spec_decode_num_accepted_tokens.labels(name).inc(accepted)
+            self._c(self.spec_decode_num_accepted_tokens, name).inc(accepted)
         for pos, count in enumerate(rnd.accepted_per_pos):
             if count:
-                self.spec_decode_num_accepted_tokens_per_pos.labels(name, str(pos)).inc(count)
+                self._c(self.spec_decode_num_accepted_tokens_per_pos, name, str(pos)).inc(count)
 
     def request_admitted(self, tenant: str, num_prompt_tokens: int, queue_s: float) -> None:
         labels = (self.model_name, tenant)
-        self.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
-        self.request_queue_time.labels(*labels).observe(queue_s)
+        self._c(self.prompt_tokens, *labels).inc(num_prompt_tokens)
+        self._c(self.request_queue_time, *labels).observe(queue_s)
 
     def first_token(self, tenant: str, ttft_s: float) -> None:
-        self.time_to_first_token.labels(self.model_name, tenant).observe(ttft_s)
+        self._c(self.time_to_first_token, self.model_name, tenant).observe(ttft_s)
 
     def tokens_generated(self, tenant: str, num_tokens: int, gap_s: float | None) -> None:
         """`num_tokens` arrived together `gap_s` after the previous ones (None: the first)."""
         labels = (self.model_name, tenant)
-        self.generation_tokens.labels(*labels).inc(num_tokens)
+        self._c(self.generation_tokens, *labels).inc(num_tokens)
         if gap_s is not None and num_tokens > 0:
             # Speculation delivers several tokens at once: each counts gap / num_tokens.
-            itl = self.inter_token_latency.labels(*labels)
+            itl = self._c(self.inter_token_latency, *labels)
             per_token = gap_s / num_tokens
             for _ in range(num_tokens):
                 itl.observe(per_token)
@@ -273,11 +283,11 @@ class ServerMetrics:
         num_output_tokens: int,
     ) -> None:
         labels = (self.model_name, tenant)
-        self.request_success.labels(*labels, finish_reason).inc()
-        self.e2e_request_latency.labels(*labels).observe(e2e_s)
+        self._c(self.request_success, *labels, finish_reason).inc()
+        self._c(self.e2e_request_latency, *labels).observe(e2e_s)
         if ttft_s is not None and num_output_tokens > 1:
             tpot = (e2e_s - ttft_s) / (num_output_tokens - 1)
-            self.time_per_output_token.labels(*labels).observe(tpot)
+            self._c(self.time_per_output_token, *labels).observe(tpot)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

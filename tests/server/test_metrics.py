@@ -77,10 +77,17 @@ def test_schema_names_and_vllm_twins(server):
     assert values[("hipfire:round_rows_count", model)] >= 1
     assert values[("hipfire:round_measured_seconds_count", model)] >= 1
     routes = {
-        labels: v for (name, labels), v in values.items() if name == "hipfire:round_route_total"
+        dict(labels)["route"]: v
+        for (name, labels), v in values.items()
+        if name == "hipfire:round_route_total"
     }
-    assert {dict(labels)["route"] for labels in routes} <= {"spec", "ar", "prefill"}
-    assert sum(routes.values()) >= 12
+    assert set(routes) <= {"spec", "ar", "prefill"} and routes["prefill"] >= 1
+    assert routes.get("spec", 0) + routes.get("ar", 0) >= 1
+    drafts = values.get(("hipfire:spec_decode_num_drafts_total", model), 0)
+    assert drafts == routes.get("spec", 0)
+    drafted = values.get(("hipfire:spec_decode_num_draft_tokens_total", model), 0)
+    accepted = values.get(("hipfire:spec_decode_num_accepted_tokens_total", model), 0)
+    assert 0 <= accepted <= drafted
     tenant = (*model, ("tenant", "default"))
     assert values[("hipfire:generation_tokens_total", tenant)] >= 12
     assert (
