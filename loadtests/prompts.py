@@ -60,7 +60,8 @@ def parse_jsonl(text: str, origin: str) -> list[Prompt]:
 def load_cohort(name: str) -> list[Prompt]:
     if name not in COHORTS:
         raise ValueError(f"unknown cohort {name!r}; shipped: {', '.join(COHORTS)}")
-    text = resources.files("loadtests").joinpath("cohorts", f"{name}.jsonl").read_text("utf-8")
+    entry = resources.files("loadtests").joinpath("cohorts").joinpath(f"{name}.jsonl")
+    text = entry.read_text("utf-8")
     return parse_jsonl(text, name)
 
 
