@@ -131,6 +131,9 @@ async def run_load(args: argparse.Namespace) -> tuple[dict, list]:
     extra = json.loads(args.extra_body)
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
+    for flag in ("max_tokens", "waves", "num_requests"):
+        if getattr(args, flag, 1) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     mode = "refill" if args.command == "refill" else "poisson"
     murl = "" if args.metrics_url == "none" else (args.metrics_url or metrics_url(args.base_url))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)

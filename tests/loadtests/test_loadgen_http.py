@@ -144,6 +144,13 @@ def test_shipped_cohorts(name):
     assert lengths[-1] >= 5 * lengths[0]  # varied: short asks and long passages
 
 
+def test_bad_arguments_exit_2(capsys):
+    assert main(["refill", "--waves", "0", "--metrics-url", "none"]) == 2
+    assert "--waves must be >= 1" in capsys.readouterr().err
+    assert main(["poisson", "--slo", "ttft", "--metrics-url", "none"]) == 2
+    assert "bad SLO" in capsys.readouterr().err
+
+
 def test_bad_prompts_file(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
