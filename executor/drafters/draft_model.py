@@ -100,20 +100,16 @@ class DraftModelDrafter:
         num_reqs = len(requests)
         num_drafts = [r.num_draft for r in requests]
         max_draft = max(num_drafts, default=0)
+        if max_draft == 0:
+            return DraftBatch(tokens=[[] for _ in requests])
         vocab = self.model.config.vocab_size
         dev = self.device
         temps = [0.0 if g else max(r.temperature, 1e-5) for r, g in zip(requests, greedy)]
-        any_sampled = any(t > 0.0 for t in temps)
         draft_offsets = np.concatenate([[0], np.cumsum(num_drafts)]).astype(np.int64)
-        probs = (
-            torch.zeros(int(draft_offsets[-1]), vocab, dtype=torch.float32, device=dev)
-            if any_sampled
-            else None
-        )  # [sum(num_draft), vocab]
-        draft_tokens = torch.zeros(num_reqs, max(max_draft, 1), dtype=torch.int64, device=dev)
-        catchup_ms = 0.0
-        if max_draft == 0:
-            return DraftBatch(tokens=[[] for _ in requests], probs=probs)
+        probs = None  # [sum(num_draft), vocab], only when some request samples
+        if any(t > 0.0 for t in temps):
+            probs = torch.zeros(int(draft_offsets[-1]), vocab, dtype=torch.float32, device=dev)
+        draft_tokens = torch.zeros(num_reqs, max_draft, dtype=torch.int64, device=dev)
 
         # step 0: catch-up rows and the last committed token, one ragged forward
         active = [i for i in range(num_reqs) if num_drafts[i] > 0]
@@ -155,10 +151,13 @@ class DraftModelDrafter:
 
         tokens_host = draft_tokens.tolist()  # the one device->host copy of the drafts
         t_end = time.perf_counter()
+        # Catch-up time: what step 0 cost beyond a plain chain step (the mean of steps 1..).
+        # A single draft has no plain step to compare with: then the catch-up rows' share of
+        # step 0 stands in.
+        catchup_ms = 0.0
         if num_catchup_rows:
             first_ms = (t_first - t0) * 1e3
             if max_draft > 1:
-                # what step 0 cost beyond a plain chain step
                 step_ms = (t_end - t_first) * 1e3 / (max_draft - 1)
                 catchup_ms = max(first_ms - step_ms, 0.0)
             else:

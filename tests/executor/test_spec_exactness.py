@@ -46,13 +46,38 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+def perturbed(model: Model, rel_noise: float, seed: int) -> Model:
+    """A copy of `model` whose matrices carry Gaussian noise of `rel_noise` times their std: a
+    draft model that agrees with the target often but not always."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def noisy(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or t.dim() != 2:
+            return t
+        return t + rel_noise * t.std() * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+
+    w = model.weights
+    layers = tuple(
+        dataclasses.replace(
+            lw, **{f.name: noisy(getattr(lw, f.name)) for f in dataclasses.fields(lw)}
+        )
+        for lw in w.layers
+    )
+    weights = dataclasses.replace(w, embed=noisy(w.embed), lm_head=noisy(w.lm_head), layers=layers)
+    return Model(model.config, weights, device=model.device, dtype=model.dtype)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Model]:
+    """The target, an unrelated draft model of another architecture, and a near copy of the
+    target (draft acceptance around 40% in these runs)."""
     target_dir = make_tiny_model(tmp_path_factory.mktemp("target"), "llama", seed=0)
     draft_dir = make_tiny_model(tmp_path_factory.mktemp("draft"), "qwen3", seed=1)
+    target = load_model(target_dir, dtype="float32")
     return {
-        "target": load_model(target_dir, dtype="float32"),
+        "target": target,
         "draft": load_model(draft_dir, dtype="float32"),
+        "near": perturbed(target, 0.05, seed=1),
     }
 
 
@@ -88,6 +113,7 @@ class RunLog:
     num_ar_rows: int = 0
     num_stops_inside_run: int = 0  # rounds whose emitted tokens were cut by a stop
     mode_switches: int = 0
+    num_preemptions: int = 0
 
 
 class MisreportingDrafter(DraftModelDrafter):
@@ -109,7 +135,7 @@ def make_drafter(kind: str, models: dict[str, Model], num_blocks: int, max_slots
         return NgramDrafter()
     if kind == "synthetic":
         return SyntheticDrafter(ACCEPTANCE_PROFILE, "code", seed=0)
-    model = models["target"] if kind == "draft-self" else models["draft"]
+    model = models[{"draft-self": "target", "draft-near": "near"}.get(kind, "draft")]
     cls = MisreportingDrafter if kind == "draft-misreported" else DraftModelDrafter
     return cls(
         model,
@@ -197,6 +223,7 @@ def run_requests(
                 log.finish[d.req_id] = d.finish_reason
                 if len(d.token_ids) < emitted[d.req_id]:
                     log.num_stops_inside_run += 1
+    log.num_preemptions = sched.stats.num_preemptions
     assert sched.num_running == 0 and sched.num_waiting == 0
     assert sched.kv.num_free == sched.kv.num_total
     sched.kv.check()
@@ -239,7 +266,7 @@ def with_stops(rng, ref: list[int], max_tokens: int, req_id: int, prompt) -> tup
 
 
 # -- greedy exactness -------------------------------------------------------------------------
-DRAFTERS = ("ngram", "draft-other", "draft-self")
+DRAFTERS = ("ngram", "draft-other", "draft-near", "draft-self")
 
 
 @pytest.mark.parametrize("drafter_kind", DRAFTERS)
@@ -270,13 +297,33 @@ def test_greedy_spec_equals_ar_under_random_modes(models, drafter_kind):
     assert totals.num_spec_rows > 0 and totals.num_ar_rows > 0 and totals.mode_switches > 10
     assert totals.num_accepted > 0
     if drafter_kind != "draft-other":
-        # a second random model rarely agrees with the target; these two have accepted runs
-        # long enough for stops to fall inside them
+        # an unrelated random model rarely agrees with the target; the others have accepted
+        # runs long enough for stops to fall inside them
         assert totals.num_stops_inside_run > 0
+    if drafter_kind == "draft-near":
+        assert 0.1 * totals.num_drafted < totals.num_accepted < 0.9 * totals.num_drafted
     if drafter_kind == "draft-self":
         # drafting with the target itself: (nearly) every draft is accepted, long chains pass
         assert totals.num_accepted >= 0.97 * totals.num_drafted
         assert totals.longest_accepted >= 10
+
+
+def test_greedy_spec_equals_ar_when_requests_are_preempted(models):
+    """A KV pool too small for all requests: the scheduler preempts and later recomputes a
+    request (its context now holds outputs), and the drafter starts that slot over."""
+    rng = np.random.default_rng(1)
+    vocab = models["target"].config.vocab_size
+    prompts = [random_prompt(rng, vocab) for _ in range(6)]
+    max_tokens = [int(rng.integers(20, 60)) for _ in range(6)]
+    refs = ar_reference(models, prompts, max_tokens)
+    specs = [
+        RequestSpec(req_id=i, prompt_token_ids=p, sampling=GREEDY, max_tokens=m)
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
+    log = run_requests(models, specs, "draft-near", rng, num_blocks=24)
+    assert log.num_preemptions > 0
+    for i in range(len(specs)):
+        assert log.outputs[i] == refs[i], f"request {i}"
 
 
 def test_draft_model_writes_stay_inside_blocks_the_plan_allocated(models):
@@ -345,7 +392,7 @@ def shrink_vocab(model: Model, vocab_size: int) -> Model:
 
 @pytest.fixture(scope="module")
 def small_models(models) -> dict[str, Model]:
-    return {name: shrink_vocab(m, SMALL_VOCAB) for name, m in models.items()}
+    return {name: shrink_vocab(models[name], SMALL_VOCAB) for name in ("target", "draft")}
 
 
 def target_joint(model: Model, prompt: list[int], num_tokens: int, temperature: float):
