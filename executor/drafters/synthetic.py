@@ -13,8 +13,10 @@ acceptance profile describes it (`profiles/acceptance.json`, one list of classes
   and the chain of drafts stops at the first rejection.
 
 The state path and the acceptance coin of every generated token index are drawn once per request
-from its own random stream, so a request's acceptance trace does not depend on how the policy
-splits it into AR and SPEC rounds: policies are compared on the same traces.
+from its own random stream, keyed by (seed, the context it was set up with, how often that same
+context was set up before). A request's acceptance trace therefore depends neither on how the
+policy splits it into AR and SPEC rounds nor on when it was admitted: policies are compared on
+the same traces.
 
 Proposals are placeholder tokens; `DraftBatch.forced_accept` carries the accepted count and the
 executor emits the *target's own* tokens with that length, so outputs stay the target's.
@@ -23,6 +25,7 @@ executor emits the *target's own* tokens with that length, so outputs stay the t
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,13 +118,15 @@ class SyntheticDrafter:
         self.seed = seed
         weights = np.asarray([c.weight for c in self.classes], dtype=np.float64)
         self._class_p = weights / weights.sum()  # [num_classes]
-        self._num_setups = 0  # gives every request entering a slot its own random stream
+        self._num_setups: dict[int, int] = {}  # context hash -> set-ups seen
         self._traces: dict[int, _Trace] = {}  # slot -> trace
         self._base_len: dict[int, int] = {}  # slot -> context length at set-up
 
     def setup(self, slot: int, context: list[int]) -> None:
-        rng = np.random.default_rng([self.seed, self._num_setups])
-        self._num_setups += 1
+        key = zlib.crc32(np.asarray(context, dtype=np.int64).tobytes())
+        occurrence = self._num_setups.get(key, 0)
+        self._num_setups[key] = occurrence + 1
+        rng = np.random.default_rng([self.seed, key, occurrence])
         cls = self.classes[int(rng.choice(len(self.classes), p=self._class_p))]
         self._traces[slot] = _Trace(cls, rng)
         self._base_len[slot] = len(context)

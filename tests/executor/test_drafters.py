@@ -336,6 +336,26 @@ def test_synthetic_trace_does_not_depend_on_how_rounds_split_it(seed, depths):
             chained.commit(0, context, 0, 0)
 
 
+def test_synthetic_trace_of_a_request_does_not_depend_on_admission_order():
+    prompts = [[7, 8, 9], [1, 2], [7, 8, 9], [4] * 6]  # a repeated prompt gets its own trace
+    first = SyntheticDrafter(ACCEPTANCE_PROFILE, "mixed", seed=2)
+    second = SyntheticDrafter(ACCEPTANCE_PROFILE, "mixed", seed=2)
+    order = [3, 1, 0, 2]  # admitted in another order, into other slots
+
+    def trace(drafter, slot, prompt):
+        reqs = [DraftRequest(slot, prompt + [0] * k, 1) for k in range(1, 200)]
+        return drafter.propose(reqs, [True] * len(reqs)).forced_accept
+
+    for slot, prompt in enumerate(prompts):
+        first.setup(slot, prompt)
+    for slot, i in enumerate(order):
+        second.setup(slot, prompts[i])
+    traces = [trace(first, slot, p) for slot, p in enumerate(prompts)]
+    for slot, i in enumerate(order):
+        assert trace(second, slot, prompts[i]) == traces[i]
+    assert traces[0] != traces[2]
+
+
 def test_synthetic_profile_errors_and_labels():
     with pytest.raises(ValueError, match="no cohort 'poetry'"):
         SyntheticDrafter(ACCEPTANCE_PROFILE, "poetry", seed=0)
