@@ -83,6 +83,9 @@ class RoundExecutor:
         self.slots: dict[int, SlotState] = {}
         # Host mirror of each slot's block table; the rows a round touches are uploaded at once.
         self.block_tables = np.zeros((max_slots, self.max_blocks_per_seq), dtype=np.int32)
+        if drafter is not None and hasattr(drafter, "bind_block_tables"):
+            # a model drafter keeps its KV under the same block ids: it reads this table
+            drafter.bind_block_tables(self.block_tables)
         self.sampler = RowSampler(target.config.vocab_size, self.device, base_seed, max_slots)
         self.sync_phases = sync_phases and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
