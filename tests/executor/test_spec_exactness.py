@@ -113,7 +113,8 @@ class RunLog:
     longest_accepted: int = 0
     num_spec_rows: int = 0
     num_ar_rows: int = 0
-    num_stops_inside_run: int = 0  # rounds whose emitted tokens were cut by a stop
+    # rounds whose emitted tokens were cut by a stop, by finish reason ("stop", "length")
+    stops_inside_run: dict[str, int] = field(default_factory=dict)
     mode_switches: int = 0
     num_preemptions: int = 0
 
@@ -224,7 +225,8 @@ def run_requests(
             if d.finish_reason is not None:
                 log.finish[d.req_id] = d.finish_reason
                 if len(d.token_ids) < emitted[d.req_id]:
-                    log.num_stops_inside_run += 1
+                    reason = d.finish_reason
+                    log.stops_inside_run[reason] = log.stops_inside_run.get(reason, 0) + 1
     log.num_preemptions = sched.stats.num_preemptions
     assert sched.num_running == 0 and sched.num_waiting == 0
     assert sched.kv.num_free == sched.kv.num_total
@@ -292,7 +294,8 @@ def test_greedy_spec_equals_ar_under_random_modes(models, drafter_kind):
         totals.num_accepted += log.num_accepted
         totals.num_spec_rows += log.num_spec_rows
         totals.num_ar_rows += log.num_ar_rows
-        totals.num_stops_inside_run += log.num_stops_inside_run
+        for reason, n in log.stops_inside_run.items():
+            totals.stops_inside_run[reason] = totals.stops_inside_run.get(reason, 0) + n
         totals.mode_switches += log.mode_switches
         totals.longest_accepted = max(totals.longest_accepted, log.longest_accepted)
     # the runs exercised what they claim to
@@ -301,13 +304,16 @@ def test_greedy_spec_equals_ar_under_random_modes(models, drafter_kind):
     if drafter_kind != "draft-other":
         # an unrelated random model rarely agrees with the target; the others have accepted
         # runs long enough for stops to fall inside them
-        assert totals.num_stops_inside_run > 0
+        assert sum(totals.stops_inside_run.values()) > 0
     if drafter_kind == "draft-near":
         assert 0.1 * totals.num_drafted < totals.num_accepted < 0.9 * totals.num_drafted
     if drafter_kind == "draft-self":
         # drafting with the target itself: (nearly) every draft is accepted, long chains pass
         assert totals.num_accepted >= 0.97 * totals.num_drafted
         assert totals.longest_accepted >= 10
+        # both EOS / stop ids and max_tokens cut accepted runs
+        assert totals.stops_inside_run.get("stop", 0) > 0
+        assert totals.stops_inside_run.get("length", 0) > 0
 
 
 def test_greedy_spec_equals_ar_when_requests_are_preempted(models):
