@@ -1,10 +1,12 @@
 """CUDA/HIP graphs for decode rounds, one per row bucket.
 
 A decode round (AR rows and spec groups, no prefill) is replayed from a graph captured for its
-padded row count. Inputs live in static buffers; the sequence dimension is always `max_seqs`,
-padded sequences have `q_len = 0` and `seq_len = 0` (the attention kernel's programs for them
-exit at once), padded rows write no KV (slot -1). The graph computes logits for every row of the
-bucket, since every decode row needs them.
+padded row count and its block-table width (a power of two of blocks, so the attention kernel's
+KV split count fits the context actually served instead of the longest possible one). Inputs
+live in static buffers; a decode round has at most as many sequences as rows, so the sequence
+dimension is min(row bucket, max_seqs); padded sequences have `q_len = 0` and `seq_len = 0` (the
+attention kernel's programs for them exit at once), padded rows write no KV (slot -1). The graph
+computes logits for every row of the bucket, since every decode row needs them.
 """
 
 from __future__ import annotations
@@ -81,27 +83,42 @@ class DecodeGraphs:
         self.cu_q_lens = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.max_blocks_per_seq = max_blocks_per_seq
+        # (row bucket, block-table width, rows per sequence bound) -> (graph, static logits)
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.memory_bytes = 0  # device memory taken by captures (graph pool growth)
 
-    def _meta(self, rows: int) -> AttnMetadata:
+    def width_for(self, num_blocks: int) -> int:
+        """Block-table width bucket: the next power of two >= num_blocks, at least 64 blocks."""
+        width = 64
+        while width < num_blocks:
+            width *= 2
+        return min(width, self.max_blocks_per_seq)
+
+    def _meta(self, rows: int, width: int, max_q_len: int) -> AttnMetadata:
+        seqs = min(rows, self.max_seqs)
         return AttnMetadata(
             positions=self.positions[:rows],
             slot_mapping=self.slot_mapping[:rows],
-            cu_q_lens=self.cu_q_lens,
-            seq_lens=self.seq_lens,
-            block_tables=self.block_tables,
+            cu_q_lens=self.cu_q_lens[: seqs + 1],
+            seq_lens=self.seq_lens[:seqs],
+            block_tables=self.block_tables[:seqs, :width],
+            max_q_len=max_q_len,
         )
 
-    def _forward(self, rows: int) -> torch.Tensor:
+    def _forward(self, rows: int, width: int, max_q_len: int) -> torch.Tensor:
         hidden = self.model.forward(
-            self.input_ids[:rows], self._meta(rows), self.k_caches, self.v_caches
+            self.input_ids[:rows],
+            self._meta(rows, width, max_q_len),
+            self.k_caches,
+            self.v_caches,
         )
         return self.model.logits(hidden)  # [rows, vocab]
 
-    def capture(self, bucket: int) -> None:
-        if bucket in self.graphs:
+    def capture(self, bucket: int, width: int, max_q_len: int = 1) -> None:
+        key = (bucket, width, max_q_len)
+        if key in self.graphs:
             return
         before = torch.cuda.memory_reserved(self.model.device)
         # Capture on an all-padding batch: no KV is written, every attention program exits.
@@ -112,16 +129,16 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: Triton compiles/autotunes outside the capture
-                self._forward(bucket)
+                self._forward(bucket, width, max_q_len)
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(bucket)
+            logits = self._forward(bucket, width, max_q_len)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[bucket] = (graph, logits)
+        self.graphs[key] = (graph, logits)
         self.memory_bytes += torch.cuda.memory_reserved(self.model.device) - before
-        log.debug("captured decode graph for %d rows", bucket)
+        log.debug("captured decode graph for %d rows, %d blocks", bucket, width)
 
     def run(
         self,
@@ -132,11 +149,14 @@ class DecodeGraphs:
         cu_q_lens: torch.Tensor,  # [num_seqs + 1] int32
         seq_lens: torch.Tensor,  # [num_seqs] int32
         block_tables: torch.Tensor,  # [num_seqs, nb] int32
+        max_q_len: int = 1,  # most rows of one sequence this round
     ) -> torch.Tensor:
         """Returns logits [num_rows, vocab] (a view of the graph's static output)."""
-        self.capture(bucket)
         num_rows, num_seqs = input_ids.shape[0], seq_lens.shape[0]
         nb = block_tables.shape[1]
+        width = self.width_for(nb)
+        max_q_len = 1 << max(0, (max_q_len - 1).bit_length())  # power of two: few graphs
+        self.capture(bucket, width, max_q_len)
         self.input_ids[:num_rows].copy_(input_ids)
         self.positions[:num_rows].copy_(positions)
         self.slot_mapping[:num_rows].copy_(slot_mapping)
@@ -146,6 +166,6 @@ class DecodeGraphs:
         self.seq_lens[:num_seqs].copy_(seq_lens)
         self.seq_lens[num_seqs:].zero_()
         self.block_tables[:num_seqs, :nb].copy_(block_tables)
-        graph, logits = self.graphs[bucket]
+        graph, logits = self.graphs[(bucket, width, max_q_len)]
         graph.replay()
         return logits[:num_rows]

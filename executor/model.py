@@ -48,6 +48,9 @@ class AttnMetadata:
     cu_q_lens: torch.Tensor  # [num_seqs + 1] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: KV length after this forward (new rows included)
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    # Host-side bound on rows per sequence (spec depth of a decode round); sizes the attention
+    # tile so a speculative group is one tile (KV read once). None: the kernel's own guess.
+    max_q_len: int | None = None
 
 
 class Model:
@@ -128,6 +131,7 @@ class Model:
                 meta.seq_lens,
                 meta.block_tables,
                 self.scale,
+                max_q_len=meta.max_q_len,
             )  # [num_rows, num_q_heads, head_dim]
             hidden = torch.nn.functional.linear(attn.reshape(num_rows, cfg.q_size), lw.o_proj)
             x, residual = ops.rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps, residual)

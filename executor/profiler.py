@@ -135,8 +135,9 @@ class RoundTimer:
         self.pool = BlockPool(executor.kv.num_blocks, executor.block_size)
         self.last_phases: dict[str, float] = {}  # median phase times (ms) of the last shape
 
-    def time_round(self, num_rows: int, kv_len: int, repeats: int,
-                   rows_per_seq: int | None = None) -> float:
+    def time_round(
+        self, num_rows: int, kv_len: int, repeats: int, rows_per_seq: int | None = None
+    ) -> float:
         """Median wall time (ms) of a round of `num_rows` rows at `kv_len` tokens of context
         per sequence; `rows_per_seq` > 1 makes speculative groups of that many rows."""
         ex = self.ex

@@ -10,23 +10,52 @@ from executor.model_config import ModelConfig, RopeConfig
 
 PRESETS: dict[str, ModelConfig] = {
     "qwen3-8b": ModelConfig(
-        arch="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-        num_layers=36, num_q_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        max_position=40960, tie_word_embeddings=False, qkv_bias=False, qk_norm=True,
-        rope=RopeConfig(theta=1000000.0), torch_dtype="bfloat16", eos_token_ids=(151645,),
+        arch="Qwen3ForCausalLM",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position=40960,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_norm=True,
+        rope=RopeConfig(theta=1000000.0),
+        torch_dtype="bfloat16",
+        eos_token_ids=(151645,),
     ),
     "qwen3-0.6b": ModelConfig(
-        arch="Qwen3ForCausalLM", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-        num_layers=28, num_q_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        max_position=40960, tie_word_embeddings=True, qkv_bias=False, qk_norm=True,
-        rope=RopeConfig(theta=1000000.0), torch_dtype="bfloat16", eos_token_ids=(151645,),
+        arch="Qwen3ForCausalLM",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_q_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position=40960,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        qk_norm=True,
+        rope=RopeConfig(theta=1000000.0),
+        torch_dtype="bfloat16",
+        eos_token_ids=(151645,),
     ),
 }
 
 
 def random_model(
-    name: str, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
-    ops_backend: str = "auto", max_position: int | None = None,
+    name: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    ops_backend: str = "auto",
+    max_position: int | None = None,
 ) -> Model:
     if name not in PRESETS:
         raise ValueError(f"unknown random model {name!r} (choose {', '.join(PRESETS)})")
@@ -45,15 +74,21 @@ def random_model(
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     layers = tuple(
         LayerWeights(
-            input_norm=ones(h), qkv=w(q + 2 * kv, h), qkv_bias=None,
+            input_norm=ones(h),
+            qkv=w(q + 2 * kv, h),
+            qkv_bias=None,
             q_norm=ones(cfg.head_dim) if cfg.qk_norm else None,
             k_norm=ones(cfg.head_dim) if cfg.qk_norm else None,
-            o_proj=w(h, q), post_norm=ones(h), gate_up=w(2 * i, h), down=w(h, i),
+            o_proj=w(h, q),
+            post_norm=ones(h),
+            gate_up=w(2 * i, h),
+            down=w(h, i),
         )
         for _ in range(cfg.num_layers)
     )
     embed = w(cfg.vocab_size, h, std=1.0)
     lm_head = embed if cfg.tie_word_embeddings else w(cfg.vocab_size, h)
     weights = ModelWeights(embed=embed, layers=layers, final_norm=ones(h), lm_head=lm_head)
-    return Model(cfg, weights, device=device, dtype=dtype, ops_backend=ops_backend,
-                 max_position=max_position)
+    return Model(
+        cfg, weights, device=device, dtype=dtype, ops_backend=ops_backend, max_position=max_position
+    )

@@ -102,7 +102,7 @@ class RoundExecutor:
                 for b in DEFAULT_BUCKETS:
                     if b > self.graphs.max_rows:
                         break
-                    self.graphs.capture(b)
+                    self.graphs.capture(b, self.graphs.width_for(1))
 
     # -- slot bookkeeping ---------------------------------------------------------------------
     def _apply_setup_release(self, plan: RoundPlan) -> None:
@@ -218,6 +218,7 @@ class RoundExecutor:
             block_tables=torch.from_numpy(
                 self.block_tables[[r.slot for r in reqs], :max_blocks]
             ).to(dev, non_blocking=True),
+            max_q_len=max(r.num_new for r in reqs),
         )
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         bucket = 0
@@ -248,6 +249,7 @@ class RoundExecutor:
                 meta.cu_q_lens,
                 meta.seq_lens,
                 meta.block_tables,
+                max_q_len=meta.max_q_len,
             )
         else:
             hidden = self.target.forward(ids_t, meta, self.kv.k, self.kv.v)  # [rows, hidden]
