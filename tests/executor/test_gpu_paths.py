@@ -53,3 +53,36 @@ def test_triton_forward_matches_reference_bf16():
     rel = (got - ref).norm() / ref.norm()
     assert rel < 5e-2, rel  # bf16 through 28 layers: ~0.5% per op, compounded
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_graph_replay_equals_eager_forward():
+    from executor.graphs import DecodeGraphs
+
+    dev = torch.device("cuda")
+    model = random_model("qwen3-0.6b", device=dev, dtype=torch.bfloat16, max_position=4096)
+    kv = KVCache.allocate(model.config, num_blocks=600, block_size=16, dtype=torch.bfloat16,
+                          device=dev)
+    for k, v in zip(kv.k, kv.v):
+        k.normal_()
+        v.normal_()
+    graphs = DecodeGraphs(model, kv.k, kv.v, max_seqs=32, max_blocks_per_seq=256, max_rows=64)
+    # 5 sequences: three AR rows and two 4-row speculative groups, contexts up to ~1500
+    q_lens, ctx = [1, 4, 1, 4, 1], [100, 700, 1500, 33, 900]
+    pos, slots, cu, lens, tables = [], [], [0], [], []
+    for s, (n, c) in enumerate(zip(q_lens, ctx)):
+        table = [s * 110 + b for b in range(110)]
+        tables.append(table)
+        for p in range(c, c + n):
+            pos.append(p)
+            slots.append(table[p // 16] * 16 + p % 16)
+        cu.append(len(pos))
+        lens.append(c + n)
+    t = lambda x, dt: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
+    meta = AttnMetadata(t(pos, torch.int64), t(slots, torch.int64), t(cu, torch.int32),
+                        t(lens, torch.int32), t(tables, torch.int32)[:, :96], max_q_len=4)
+    ids = torch.randint(0, model.config.vocab_size, (len(pos),), device=dev)
+    eager = model.logits(model.forward(ids, meta, kv.k, kv.v))
+    replay = graphs.run(16, ids, meta.positions, meta.slot_mapping, meta.cu_q_lens,
+                        meta.seq_lens, meta.block_tables, max_q_len=4)
+    torch.testing.assert_close(replay, eager, atol=2e-2, rtol=2e-2)
+    assert (16, 128, 4) in graphs.graphs
