@@ -77,7 +77,7 @@ class AsyncEngine:
         idle_poll_s: float = 1.0,
     ) -> None:
         self.engine = engine
-        self._on_round = on_round
+        self.on_round = on_round
         self._idle_poll_s = idle_poll_s
         self._commands: collections.deque[tuple] = collections.deque()
         self._wake = threading.Event()
@@ -150,6 +150,10 @@ class AsyncEngine:
         self._wake.set()
         return await future
 
+    async def stats(self) -> Any:
+        """`Engine.stats()` taken between rounds (drains the round records it returns)."""
+        return await self.call(lambda engine: engine.stats())
+
     def _deliver(self, replies: list, outputs: list[RequestOutput], stats: Any) -> None:
         for future, value, exc in replies:
             if future.done():
@@ -165,9 +169,9 @@ class AsyncEngine:
             stream.push(output)
             if output.finished:
                 del self._streams[output.request_id]
-        if stats is not None and self._on_round is not None:
+        if stats is not None and self.on_round is not None:
             try:
-                self._on_round(stats)
+                self.on_round(stats)
             except Exception:
                 logger.exception("metrics update failed")
 

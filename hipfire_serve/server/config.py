@@ -53,6 +53,12 @@ class ServerConfig:
         30.0, "on SIGTERM/SIGINT: seconds to finish in-flight requests before aborting them"
     )
     max_body_bytes: int = _f(4 << 20, "largest request body accepted (bytes)")
+    engine_loop: str = _f(
+        "thread",
+        "where the engine runs: a thread of the server process, or a child process "
+        "(no GIL shared with HTTP handling; outputs cross a pipe)",
+        choices=("thread", "process"),
+    )
     retry_after: int = _f(1, "seconds put in Retry-After when the queue is full (503)")
 
     def validate(self) -> None:

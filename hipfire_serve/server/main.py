@@ -83,11 +83,14 @@ def build_server(
     server_config: ServerConfig,
     tenants: Sequence[Tenant] | None,
 ) -> Built:
-    """Wires an engine into the app and a uvicorn server (not started). `tenants=None`: open."""
+    """Wires an engine into the app and a uvicorn server (not started). `engine` is an `Engine`
+    (driven from a thread) or a `ProcessEngine` (already running in its child process).
+    `tenants=None`: open access."""
     model_name = server_config.served_model_name or engine.model_name
     metrics = ServerMetrics(model_name, vllm_compat=server_config.metrics_compat == "vllm")
     registry = TenantRegistry.open_access() if tenants is None else TenantRegistry(tenants)
-    async_engine = AsyncEngine(engine, on_round=metrics.observe_engine)
+    async_engine = engine if getattr(engine, "is_engine_loop", False) else AsyncEngine(engine)
+    async_engine.on_round = metrics.observe_engine
     app = App(
         async_engine,
         tokenizer=engine.tokenizer,
@@ -119,7 +122,8 @@ def build_server(
     line = (
         f"hipfire-serve: serving {model_name!r} (model {engine_config.model}, draft "
         f"{engine_config.draft}, spec mode {engine_config.spec_mode}, "
-        f"{engine_config.max_concurrency} slots, context {engine.max_model_len}) at "
+        f"{engine_config.max_concurrency} slots, context {engine.max_model_len}, engine in a "
+        f"{server_config.engine_loop}) at "
         f"http://{url_host}:{{port}}/v1 with {access}"
     )
     server = DrainingServer(uv_config, app, line)
@@ -137,11 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
     )
-    from hipfire_serve.engine import Engine
-
     try:
         specs = [t.to_spec() for t in tenants] if tenants else ()
-        engine = Engine(engine_config, tenants=specs)
+        if server_config.engine_loop == "process":
+            from hipfire_serve.server.engine_process import ProcessEngine
+
+            engine = ProcessEngine(engine_config, specs)
+        else:
+            from hipfire_serve.engine import Engine
+
+            engine = Engine(engine_config, tenants=specs)
     except (ValueError, OSError) as exc:
         print(f"hipfire-serve serve: {exc}", file=sys.stderr)
         return 2

@@ -75,7 +75,8 @@ class RunningServer:
         return future.result(timeout=30)
 
     def stats(self) -> Any:
-        return self.call(lambda engine: engine.stats())
+        future = asyncio.run_coroutine_threadsafe(self.built.engine.stats(), self.loop)
+        return future.result(timeout=30)
 
     def wait_idle(self, timeout_s: float = 20.0) -> Any:
         """Engine stats once no slot, queue entry or KV block is held (or the last seen)."""
