@@ -150,7 +150,7 @@ def make_drafter(kind: str, models: dict[str, Model], num_blocks: int, max_slots
 
 
 def make_executor(target: Model, drafter, num_blocks: int, max_slots: int) -> RoundExecutor:
-    ex = RoundExecutor(
+    return RoundExecutor(
         target,
         num_blocks=num_blocks,
         block_size=BLOCK_SIZE,
@@ -158,9 +158,6 @@ def make_executor(target: Model, drafter, num_blocks: int, max_slots: int) -> Ro
         max_model_len=MAX_MODEL_LEN + SPEC_DEPTH,
         drafter=drafter,
     )
-    if isinstance(drafter, DraftModelDrafter):
-        drafter.bind_block_tables(ex.block_tables)
-    return ex
 
 
 def run_requests(
