@@ -162,7 +162,15 @@ class RoundExecutor:
             if self.drafter is None:
                 raise RuntimeError("plan has SPEC requests but the executor has no drafter")
             drafts = self.drafter.propose(
-                [DraftRequest(r.slot, self.slots[r.slot].context, r.num_draft) for r in spec],
+                [
+                    DraftRequest(
+                        r.slot,
+                        self.slots[r.slot].context,
+                        r.num_draft,
+                        temperature=self.slots[r.slot].sampling.temperature,
+                    )
+                    for r in spec
+                ],
                 [self.slots[r.slot].sampling.greedy for r in spec],
             )
         self._sync()

@@ -15,6 +15,16 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# One intra-op thread: the suite runs tiny models on a 2-core machine, where torch's thread pool
+# costs far more in synchronisation than it gains (measured ~10x on tiny-model generation).
+try:
+    import torch
+
+    torch.set_num_threads(1)
+except ImportError:
+    pass
+
+
 def _has_gpu() -> bool:
     try:
         import torch
