@@ -1,4 +1,4 @@
-"""Trains the demo pair on one GPU, then measures it; runs where only torch and numpy exist.
+"""Trains the demo pair on one GPU, then measures it (needs torch, numpy and safetensors).
 
     python3 -m hipfire_serve.demo.train --data .devdata --out OUT_DIR
 
