@@ -177,10 +177,11 @@ def _verify_attention_kernel(
                 tl.store(o_ptrs + offs_d[None, :], result.to(out_ptr.dtype.element_ty), st_mask)
             else:
                 lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
-                p_ptrs = part_out_ptr + split * stride_p_split + q_row[:, None] * stride_p_row
+                split64 = split.to(tl.int64)  # splits x rows x heads x dim can pass 2**31
+                p_ptrs = part_out_ptr + split64 * stride_p_split + q_row[:, None] * stride_p_row
                 p_ptrs += m_head[:, None] * stride_p_head + offs_d[None, :]
                 tl.store(p_ptrs, result, st_mask)
-                l_ptrs = part_lse_ptr + split * stride_l_split + q_row * stride_l_row + m_head
+                l_ptrs = part_lse_ptr + split64 * stride_l_split + q_row * stride_l_row + m_head
                 tl.store(l_ptrs, lse, m_ok)
 
 
@@ -198,6 +199,7 @@ def _merge_splits_kernel(
     if row < tl.load(cu_q_lens_ptr + num_seqs):  # rows after the last sequence are zeroed already
         offs_s = tl.arange(0, SPLITS_PAD)
         s_mask = offs_s < NUM_SPLITS
+        offs_s = offs_s.to(tl.int64)
         offs_d = tl.arange(0, D_PAD)
         d_mask = offs_d < HEAD_DIM
         row64 = row.to(tl.int64)

@@ -159,11 +159,16 @@ def bench_attention_shape(pool: KvPool, batch, ctx, rows, gqa, copy_tbps, with_s
 def tune(pool: KvPool, device: torch.device, copy_tbps: float) -> list[dict]:
     shapes = [(16, 8192, 16, 8), (16, 8192, 8, 4), (64, 8192, 1, 4), (1, 32768, 8, 8)]
     base = arch.arch_config(device).attention
-    settings = [(n, st, base.programs_per_sm) for n in (32, 64, 128) for st in (2, 3, 4)]
-    settings += [(base.block_n, base.num_stages, pps) for pps in (1, 2, 8)]
+    pps0, m0 = base.programs_per_sm, base.max_block_m
+    settings = [(n, st, pps0, m0) for n in (32, 64, 128) for st in (2, 3, 4)]
+    settings += [(base.block_n, base.num_stages, pps, m0) for pps in (1, 2, 8)]
+    # Smaller tiles: a 16-row GQA-8 tile becomes two 8-row tiles reading the same KV together.
+    settings += [(n, st, pps0, 64) for n in (64, 128) for st in (2, 3)]
     results = []
-    for block_n, stages, pps in settings:
-        set_attention_tiles(device, block_n=block_n, num_stages=stages, programs_per_sm=pps)
+    for block_n, stages, pps, max_m in settings:
+        set_attention_tiles(
+            device, block_n=block_n, num_stages=stages, programs_per_sm=pps, max_block_m=max_m
+        )
         for batch, ctx, rows, gqa in shapes:
             try:
                 rec = bench_attention_shape(pool, batch, ctx, rows, gqa, copy_tbps, False)
@@ -175,15 +180,10 @@ def tune(pool: KvPool, device: torch.device, copy_tbps: float) -> list[dict]:
                     "gqa": gqa,
                     "error": f"{type(exc).__name__}: {exc}"[:300],
                 }
-            rec.update(block_n=block_n, num_stages=stages, programs_per_sm=pps)
+            rec.update(block_n=block_n, num_stages=stages, programs_per_sm=pps, max_block_m=max_m)
             results.append(rec)
             print("tune", json.dumps(rec), flush=True)
-    set_attention_tiles(
-        device,
-        block_n=base.block_n,
-        num_stages=base.num_stages,
-        programs_per_sm=base.programs_per_sm,
-    )
+    set_attention_tiles(device, **dataclasses.asdict(base))
     return results
 
 
