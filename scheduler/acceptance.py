@@ -8,8 +8,7 @@ Model: how well a drafter does on a request changes along the text (code vs pros
 vs a tricky passage), and it persists for a while. Each request therefore carries a *belief*
 over a fixed grid of acceptance levels `a_l` (a discrete Bayesian filter):
 
-    observe position with outcome x:  b_l <- b_l * (a_l * c_j if x else 1 - a_l * c_j)  (then
-                                      normalised), c_j the drafter's per-position factor
+    observe position with outcome x:  b_l <- b_l * (a_l if x else 1 - a_l), then normalised
     each generated token:             b <- (1 - SWITCH) * b + SWITCH * prior
                                       (the level may have changed to any other, as often as
                                       the global statistics say)
@@ -22,12 +21,13 @@ Survival follows from the same model, including the chance that the level change
 chain; a mixture of levels gives the right shape: having survived j-1 positions makes the high
 levels more likely, so a_j = s_j / s_{j-1} rises with j as real acceptance data does:
 
-    v = b;  for j = 1..D:  v_l <- v_l * a_l * c_j;  s_j = sum(v);
+    v = b;  for j = 1..D:  v_l <- v_l * a_l;  s_j = sum(v);
                            v <- (1 - SWITCH) * v + SWITCH * s_j * prior
 
-Per draft position the drafter may be better or worse than the levels say (a chain drafter
-degrades with depth); `c_j` = observed / predicted acceptance at position j over all requests
-(decayed), so the grid stays calibrated per position.
+Each position j therefore has its own survival and conditional acceptance per request. (A
+global per-position correction of the levels was tried and dropped: positions past the first
+are only observed on requests that survived, so such a factor mostly learned that selection
+effect instead of a depth effect of the drafter.)
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ LEVELS = np.array([0.05, 0.2, 0.35, 0.5, 0.6, 0.7, 0.8, 0.87, 0.93, 0.97])
 # real text shifts over a few to a few tens of tokens; 0.08 (a mean stretch of ~12 tokens) was
 # the best of 0.04..0.2 in the simulator on both code- and prose-like acceptance.
 SWITCH = 0.08
-# Weight of one observed request's belief in the global prior (a few hundred observations).
-PRIOR_ALPHA = 0.005
-# Decay of the per-position calibration sums (~2000 observed positions).
-POSITION_DECAY = 0.9995
+# Weight of one observed request's belief in the global prior: a running mean over the first
+# observations (PRIOR_COUNT pseudo-observations for the configured prior), then an EMA over the
+# last ~50 observed request-rounds, so the prior follows a change of traffic within seconds.
+PRIOR_ALPHA = 0.02
+PRIOR_COUNT = 20.0
 MAX_ACCEPTANCE = 0.995
 
 
@@ -55,9 +56,7 @@ class AcceptanceEstimator:
         prior = np.exp(-(((LEVELS - prior_acceptance) / 0.3) ** 2))
         self.prior = prior / prior.sum()  # [L]
         self.belief = np.tile(self.prior, (num_slots, 1))  # [num_slots, L]
-        self._pos_obs = np.full(self.max_drafts, 10.0)  # [D] observed acceptances (decayed)
-        self._pos_pred = np.full(self.max_drafts, 10.0)  # [D] predicted acceptances
-        self.position_factor = np.ones(self.max_drafts)  # [D] c_j
+        self._num_prior_obs = PRIOR_COUNT
 
     def reset(self, slot: int) -> None:
         """A new request entered the slot: it starts from the global prior."""
@@ -76,9 +75,8 @@ class AcceptanceEstimator:
         n = belief.shape[0]
         out = np.empty((n, self.max_drafts))  # [n, D]
         v = belief.copy()  # [n, L]
-        acc = np.minimum(self.levels[None, :] * self.position_factor[:, None], MAX_ACCEPTANCE)
         for j in range(self.max_drafts):
-            v *= acc[j]
+            v *= self.levels
             s = v.sum(1)
             out[:, j] = s
             v = (1.0 - SWITCH) * v + SWITCH * s[:, None] * self.prior[None, :]
@@ -99,21 +97,14 @@ class AcceptanceEstimator:
             return
         b = self.belief[slots]  # [n, L]
         num_observed = np.minimum(num_accepted + 1, num_drafted)  # [n]
-        self._pos_obs *= POSITION_DECAY
-        self._pos_pred *= POSITION_DECAY
         for j in range(int(num_observed.max())):
             rows = np.flatnonzero(num_observed > j)
-            acc = np.minimum(self.levels * self.position_factor[j], MAX_ACCEPTANCE)  # [L]
-            br = b[rows]
-            predicted = (br @ self.levels) / br.sum(1)  # [r] by the grid alone, without c_j
             accepted = num_accepted[rows] > j  # [r]
-            self._pos_obs[j] += accepted.sum()
-            self._pos_pred[j] += predicted.sum()
-            br = br * np.where(accepted[:, None], acc[None, :], 1.0 - acc[None, :])
+            br = b[rows] * np.where(accepted[:, None], self.levels, 1.0 - self.levels)
             br /= br.sum(1, keepdims=True)
             b[rows] = (1.0 - SWITCH) * br + SWITCH * self.prior[None, :]
         self.belief[slots] = b
-        alpha = min(PRIOR_ALPHA * len(slots), 0.5)
+        self._num_prior_obs += len(slots)
+        alpha = min(max(PRIOR_ALPHA, 1.0 / self._num_prior_obs) * len(slots), 0.5)
         self.prior = (1.0 - alpha) * self.prior + alpha * b.mean(0)
         self.prior /= self.prior.sum()
-        self.position_factor = np.clip(self._pos_obs / self._pos_pred, 0.5, 1.5)

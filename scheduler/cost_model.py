@@ -243,7 +243,7 @@ class CostModel:
             num_rows, num_kv_tokens, draft_depth, num_spec, drafter_lag_rows, num_prefill_rows
         )
         idx = self.profile.bucket_index_scalar(num_rows)
-        return raw * self._eff_list[draft_depth > 0][idx]
+        return raw * self._eff_list[1 if draft_depth > 0 else 0][idx]
 
     def predict_ms(
         self,

@@ -1,0 +1,81 @@
+"""Cost model: profile interpolation, bucket padding, symmetric confidence-aware calibration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scheduler.cost_model import CALIB_PRIOR_COUNT, CostModel
+from tests.scheduler.test_lifecycle_invariants import PROFILE
+
+
+def test_profile_points_and_padding():
+    # at a profiled point the target cost is the measurement itself
+    assert PROFILE.target_ms(128) == pytest.approx(5.1789)
+    assert PROFILE.bucket(100) == 128 and PROFILE.bucket(128) == 128
+    assert PROFILE.bucket(3000) == 3000  # past the largest bucket: eager, unpadded
+    # decode-only rounds pay for their bucket; prefill rounds run eagerly
+    assert PROFILE.round_ms(100, 0) == pytest.approx(5.1789)
+    assert PROFILE.round_ms(100, 0, num_prefill_rows=50) == pytest.approx(
+        float(PROFILE.target_ms(100))
+    )
+    # linear past the last point, with the last segment's slope
+    slope = (43.4554 - 34.8979) / 512
+    assert PROFILE.target_ms(2560) == pytest.approx(43.4554 + 512 * slope)
+
+
+def test_kv_and_drafter_terms():
+    kv_ms = 1000 * 147456 / 3.5e12 * 1e3
+    assert PROFILE.round_ms(1, 1000) - PROFILE.round_ms(1, 0) == pytest.approx(kv_ms)
+    # a chain of depth d over k requests: one step with the catch-up rows, d-1 plain steps
+    base = PROFILE.round_ms_scalar(32, 0)
+    with_chain = PROFILE.round_ms_scalar(32, 0, draft_depth=3, num_spec=4, drafter_lag_rows=4)
+    draft = float(PROFILE.draft_step_ms(8) + 2 * PROFILE.draft_step_ms(4))
+    assert with_chain - base == pytest.approx(draft)
+
+
+@given(
+    rows=st.integers(1, 20000),
+    kv=st.integers(0, 200000),
+    depth=st.integers(0, 7),
+    num_spec=st.integers(0, 256),
+    lag=st.integers(0, 5000),
+    prefill=st.integers(0, 4096),
+)
+def test_scalar_and_array_paths_agree(rows, kv, depth, num_spec, lag, prefill):
+    num_spec = num_spec if depth else 0
+    a = float(PROFILE.round_ms(rows, kv, depth, num_spec, lag, prefill, True))
+    b = PROFILE.round_ms_scalar(rows, kv, depth, num_spec, lag, prefill, True)
+    assert a == pytest.approx(b, rel=1e-9)
+
+
+@pytest.mark.parametrize("factor", [0.7, 1.4])
+def test_calibration_converges_symmetrically(factor):
+    model = CostModel(PROFILE)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        raw = model.raw_ms_scalar(64, 10000)
+        model.observe(64, False, raw, raw * factor * np.exp(rng.normal(0, 0.03)))
+    predicted = model.predict_ms_scalar(64, 10000)
+    assert predicted / model.raw_ms_scalar(64, 10000) == pytest.approx(factor, rel=0.03)
+
+
+def test_unseen_shapes_keep_the_profile_and_get_reprobed():
+    model = CostModel(PROFILE)
+    # one early round at 512 rows looked 3x slow (a warm-up hiccup)
+    raw = model.raw_ms_scalar(512, 0)
+    model.observe(512, True, raw, 3 * raw)
+    assert model.confidence(512, True) < 0.3  # one observation is not trusted much
+    first = model.predict_ms_scalar(512, 0, 7, 64)
+    # then many rounds of another shape run exactly as profiled
+    for _ in range(400):
+        raw = model.raw_ms_scalar(64, 0)
+        model.observe(64, False, raw, raw)
+    # the hiccup has aged out: the 512-row shape is back near its profile, so it is tried again
+    later = model.predict_ms_scalar(512, 0, 7, 64)
+    raw_512 = model.raw_ms_scalar(512, 0, 7, 64)
+    assert first > 1.3 * raw_512
+    assert later == pytest.approx(raw_512, rel=0.05)
+    assert model.confidence(512, True) < 0.1 * CALIB_PRIOR_COUNT
