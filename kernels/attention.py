@@ -1,4 +1,4 @@
-"""Verify attention: ragged query rows against a paged KV cache, each KV tile read once per tile.
+"""Verify attention: ragged query rows over a paged KV cache, KV read once per tile of rows.
 
 Layouts (one layer):
     q           [num_rows, num_q_heads, head_dim]    new rows of all sequences, back to back
