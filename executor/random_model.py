@@ -45,6 +45,25 @@ PRESETS: dict[str, ModelConfig] = {
         torch_dtype="bfloat16",
         eos_token_ids=(151645,),
     ),
+    # Same architecture at toy size: CPU tests of the benchmark harnesses.
+    "tiny": ModelConfig(
+        arch="Qwen3ForCausalLM",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        max_position=4096,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_norm=True,
+        rope=RopeConfig(theta=10000.0),
+        torch_dtype="float32",
+        eos_token_ids=(0,),
+    ),
 }
 
 
