@@ -175,6 +175,7 @@ class App:
             tenant=tenant.name,
             arrival=arrival,
             on_tokens_unused=refund,
+            stream_interval=self.config.stream_interval,
         )
         self.live.add(generation)
         watcher = asyncio.create_task(_watch_disconnect(receive, generation.abort))

@@ -53,6 +53,11 @@ class ServerConfig:
         30.0, "on SIGTERM/SIGINT: seconds to finish in-flight requests before aborting them"
     )
     max_body_bytes: int = _f(4 << 20, "largest request body accepted (bytes)")
+    stream_interval: int = _f(
+        1,
+        "engine rounds between writes to one SSE stream (1: every round; more trades token "
+        "latency for fewer writes and client wake-ups per token)",
+    )
     engine_loop: str = _f(
         "thread",
         "where the engine runs: a thread of the server process, or a child process "
@@ -78,6 +83,8 @@ class ServerConfig:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.retry_after < 1:
             raise ValueError(f"--retry-after must be >= 1, got {self.retry_after}")
         if self.tenants and not Path(self.tenants).is_file():

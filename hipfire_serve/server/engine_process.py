@@ -26,7 +26,7 @@ import msgspec
 
 from hipfire_serve.config import EngineConfig
 from hipfire_serve.engine import EngineStats
-from hipfire_serve.server.async_engine import RequestStream
+from hipfire_serve.server.async_engine import RequestStream, deliver_outputs
 from hipfire_serve.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger("hipfire_serve.server")
@@ -305,13 +305,7 @@ class ProcessEngine:
                 future.set_exception(RuntimeError(reply.message))
         if batch.failed:
             self._fail_all("error")
-        for output in batch.outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            stream.push(output)
-            if output.finished:
-                del self._streams[output.request_id]
+        deliver_outputs(self._streams, batch.outputs, now)
         for call_id, stats in batch.stats_calls:
             future = self._stats_calls.pop(call_id, None)
             if future is not None and not future.done():

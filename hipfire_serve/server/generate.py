@@ -110,6 +110,7 @@ class Generation:
         tenant: str,
         arrival: float,
         on_tokens_unused: Callable[[int], None],
+        stream_interval: int = 1,
     ) -> None:
         self.plan = plan
         self.engine = engine
@@ -128,7 +129,8 @@ class Generation:
         self.choices = [_Choice(index=i) for i in range(len(self.engine_ids) * n)]
         for choice in self.choices:
             choice.text_len = len(plan.echo_texts[choice.index // n])
-        self.stream = RequestStream()
+        # Non-streamed replies need only the end: wake the handler once, not every round.
+        self.stream = RequestStream(wake_every=stream_interval if plan.stream else 1 << 30)
         self._unfinished = set(self.engine_ids)
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -177,21 +179,22 @@ class Generation:
         return not self._unfinished
 
     async def next_outputs(self) -> list[_DeltaView]:
-        """The next round's deltas, bookkept (choices, metrics); StreamClosed when ended."""
+        """The deltas released since the last call, bookkept (choices, metrics); StreamClosed
+        when ended. Latencies use each round's delivery time, not this wake-up's."""
         batch = await self.stream.next_batch()
-        now = time.monotonic()
         views: list[_DeltaView] = []
-        num_new = 0
-        for output in batch:
-            num_new += self._absorb(output, views)
-        if num_new:
+        for output, delivered_at in batch:
+            num_new = self._absorb(output, views)
+            if not num_new:
+                continue
             if self._first_token_at is None:
-                self._first_token_at = now
-                self.metrics.first_token(self.tenant, now - self.arrival)
+                self._first_token_at = delivered_at
+                self.metrics.first_token(self.tenant, delivered_at - self.arrival)
                 self.metrics.tokens_generated(self.tenant, num_new, None)
             else:
-                self.metrics.tokens_generated(self.tenant, num_new, now - self._last_token_at)
-            self._last_token_at = now
+                gap = max(0.0, delivered_at - self._last_token_at)
+                self.metrics.tokens_generated(self.tenant, num_new, gap)
+            self._last_token_at = delivered_at
         if not self._unfinished and not self._closed:
             self._closed = True
             self._finish_metrics(None)
@@ -407,9 +410,27 @@ class Generation:
             parts.append(http.sse_event(http.encode(chunk)))
         return b"".join(parts)
 
+    @staticmethod
+    def _coalesce(views: list[_DeltaView]) -> list[_DeltaView]:
+        """One view per choice: several rounds released together become one chunk."""
+        merged: dict[int, _DeltaView] = {}
+        for view in views:
+            first = merged.get(view.index)
+            if first is None:
+                merged[view.index] = view
+            else:
+                merged[view.index] = _DeltaView(
+                    view.index,
+                    first.text + view.text,
+                    view.finish_reason or first.finish_reason,
+                    first.lp_start,
+                    view.lp_end,
+                )
+        return list(merged.values())
+
     def _delta_chunks(self, views: list[_DeltaView]) -> bytes:
         parts = []
-        for view in views:
+        for view in self._coalesce(views):
             if view.finish_reason == "error":
                 continue
             if not view.text and view.finish_reason is None and view.lp_start == view.lp_end:

@@ -129,11 +129,16 @@ def start_real_server(
     engine_overrides: dict | None = None,
     **server_settings: Any,
 ) -> RunningServer:
-    from hipfire_serve.engine import Engine
-
     engine_config = _tiny_engine_config(model_dir, **(engine_overrides or {}))
     specs = [t.to_spec() for t in tenants] if tenants else ()
-    engine = Engine(engine_config, tenants=specs)
+    if server_settings.get("engine_loop") == "process":
+        from hipfire_serve.server.engine_process import ProcessEngine
+
+        engine = ProcessEngine(engine_config, specs)
+    else:
+        from hipfire_serve.engine import Engine
+
+        engine = Engine(engine_config, tenants=specs)
     server_config = ServerConfig(port=0, log_level="warning", **server_settings)
     return RunningServer(engine, engine_config, server_config, tenants).start()
 

@@ -92,13 +92,31 @@ def _wait_running(url: str, count: int) -> None:
     pytest.fail("requests did not start")
 
 
-def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(tiny_model_dir):
-    proc, url = _start(tiny_model_dir, "--drain-timeout", "60")
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def _gone(pid: int, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("engine_loop", ["thread", "process"])
+def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(tiny_model_dir, engine_loop):
+    proc, url = _start(tiny_model_dir, "--drain-timeout", "60", "--engine-loop", engine_loop)
     try:
         results: list[str] = []
         body = {"prompt": "for i in", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
         threads = [_stream_in_background(url, body, results) for _ in range(3)]
         _wait_running(url, 3)
+        engine_children = _children(proc.pid) if engine_loop == "process" else []
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         refused = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
@@ -109,6 +127,7 @@ def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(tiny_model_dir
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
+    assert all(_gone(child) for child in engine_children)  # no orphaned engine process
     assert len(results) == 3
     for raw in results:
         assert raw.endswith("data: [DONE]\n\n")

@@ -222,3 +222,17 @@ def test_request_timeout(double_server):
         events = _events(r.read().decode())
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "timeout_error"
     assert server.wait_idle().live_slots == 0
+
+
+def test_stream_interval_writes_several_rounds_as_one_chunk(double_server):
+    server = double_server(stream_interval=4, round_s=0.02)
+    body = {"prompt": "x", "max_tokens": 10}
+    full = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=30
+    ) as r:
+        events = _events(r.read().decode())
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
+    assert len(chunks) == 3  # rounds 1-4, 5-8, 9-10 (the finish releases early)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
