@@ -192,9 +192,12 @@ async def _stream_forever(host: str, port: int, counter, max_tokens: int) -> Non
 
 
 class HttpSide:
-    def __init__(self, args: argparse.Namespace, model: str, engine_loop: str) -> None:
+    def __init__(
+        self, args: argparse.Namespace, model: str, engine_loop: str, stream_interval: int
+    ) -> None:
         cmd = [sys.executable, "-m", "hipfire_serve.cli", "serve", *engine_args(args, model),
-               "--port", "0", "--log-level", "warning", "--engine-loop", engine_loop]  # fmt: skip
+               "--port", "0", "--log-level", "warning", "--engine-loop", engine_loop,
+               "--stream-interval", str(stream_interval)]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(args.torch_threads)}
         # Own session: pausing the process group freezes an engine child process too.
         self.proc = subprocess.Popen(
@@ -297,12 +300,13 @@ async def run_mode(args: argparse.Namespace, model: str) -> list[Window]:
     sides: list[tuple[Any, str]] = [(direct, "direct")]
     windows: list[Window] = []
     try:
-        for loop in args.engine_loops.split(","):
-            http = HttpSide(args, model, loop)
+        for variant in args.http_variants.split(","):
+            loop, _, interval = variant.partition(":")
+            http = HttpSide(args, model, loop, int(interval or 1))
             http.start_clients()
             await asyncio.sleep(args.warmup)  # warm up, then freeze until its turn
             http.pause()
-            sides.append((http, f"http-{loop}"))
+            sides.append((http, f"http-{loop}-every-{interval or 1}"))
         direct.resume()
         await asyncio.sleep(args.warmup)
         direct.pause()
@@ -312,7 +316,7 @@ async def run_mode(args: argparse.Namespace, model: str) -> list[Window]:
                 window = await _measure(side, name, args.window)
                 windows.append(window)
                 print(
-                    f"[{args.spec_mode} {i + 1}] {name:>12}: {window.rounds_per_s:7.1f} rounds/s"
+                    f"[{args.spec_mode} {i + 1}] {name:>22}: {window.rounds_per_s:7.1f} rounds/s"
                     f" {window.tokens_per_s:7.0f} tokens/s {window.rows_per_round:5.1f} rows/round"
                 )
     finally:
@@ -410,13 +414,14 @@ def write_report(out: Path, args, model_desc: str, runs: dict[str, list[Window]]
     md = f"""# Server overhead: engine rounds per second with HTTP attached
 
 Command: `python -m loadtests.server_bench --model {args.model} --spec-modes
-{",".join(runs)} --engine-loops {args.engine_loops} --concurrency {args.concurrency}
+{",".join(runs)} --http-variants {args.http_variants} --concurrency {args.concurrency}
 --max-tokens {args.max_tokens} --windows {args.windows} --window {args.window}`.
 
 Machine: **CPU only, {os.cpu_count()} cores, shared with other work while measuring**. Model:
 {model_desc}; drafter `{args.draft}`; torch intra-op threads {args.torch_threads}. Every side
 keeps {args.concurrency} greedy requests of {args.max_tokens} tokens live (refill). An HTTP side
-is `hipfire-serve serve --engine-loop thread|process` in its own process group, fed by
+is `hipfire-serve serve --engine-loop L --stream-interval N` (side `http-L-every-N`) in its own
+process group, fed by
 {args.concurrency} streaming clients (keep-alive connections, one event loop) in the benchmark
 process, on the same cores; the direct side is a process looping over `Engine.step()`. The
 sides take turns in {args.window} s windows ({args.windows} each), the others frozen with
@@ -444,7 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-modes", default="ar,adaptive", help="comma-separated")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--engine-loops", default="thread,process", help="comma-separated")
+    parser.add_argument(
+        "--http-variants",
+        default="thread:1,process:1,thread:4",
+        help="server variants as ENGINE_LOOP:STREAM_INTERVAL, comma-separated",
+    )
     parser.add_argument("--windows", type=int, default=8, help="measurement windows per side")
     parser.add_argument("--window", type=float, default=3.0, help="seconds per window")
     parser.add_argument("--warmup", type=float, default=4.0)
