@@ -133,6 +133,10 @@ class ProfileCost:
     def target_ms(self, num_rows):
         return self._target(num_rows)
 
+    def padded_target_ms(self, num_rows):
+        """Target cost of a decode-only round: its rows padded to the graph bucket."""
+        return self._padded(num_rows)
+
     def draft_step_ms(self, num_rows):
         return self._draft(num_rows)
 
@@ -264,6 +268,32 @@ class CostModel:
             self.drafter_prefill,
         )
         return raw * self.correction(num_rows, np.asarray(draft_depth) > 0)
+
+    def predict_spec_grid(
+        self,
+        base_rows: int,
+        base_kv_tokens: int,
+        extra_rows: np.ndarray,
+        depth: np.ndarray,
+        num_spec: np.ndarray,
+        lag_rows: np.ndarray,
+        num_prefill_rows: int,
+    ) -> np.ndarray:
+        """predict_ms of many speculating candidates of one round (depth >= 1), sharing its base
+        rows and KV: each candidate adds `extra_rows` draft rows. Same values as predict_ms, via
+        1-D tables over the few distinct row and request counts (the planner's hot path)."""
+        p = self.profile
+        extra = np.arange(int(extra_rows.max()) + 1)  # [R]
+        rows = base_rows + extra
+        target = p.target_ms(rows) if num_prefill_rows else p.padded_target_ms(rows)  # [R]
+        fixed = target + (base_kv_tokens + extra) * p.kv_ms_per_token  # [R]
+        if self.drafter_prefill and num_prefill_rows:
+            fixed = fixed + p._draft.scalar(num_prefill_rows)
+        corr = self.correction(rows, True)  # [R]
+        step = p.draft_step_ms(np.arange(int(num_spec.max()) + 1))  # [K] one chain step
+        first = p.draft_step_ms(num_spec + lag_rows) if lag_rows.any() else step[num_spec]
+        draft = first + (depth - 1) * step[np.maximum(num_spec, 1)]
+        return corr[extra_rows] * (fixed[extra_rows] + draft)
 
     def observe(self, num_rows: int, has_spec: bool, raw_predicted_ms: float, measured_ms: float):
         """Feeds one executed round: `raw_predicted_ms` is the uncorrected prediction."""

@@ -48,7 +48,7 @@ def plan_depths(
     rank_key: np.ndarray,  # [n, D] ranking key (survival * hysteresis, FORCE_KEY, <= 0: excluded)
     weights: np.ndarray,  # [n] value of a token of request i
     drafter_lag: np.ndarray,  # [n] tokens the drafter must catch up on if i speculates
-    cost_model,  # CostModel-like: predict_ms(num_rows, kv, depth, num_spec, lag, prefill_rows)
+    cost_model,  # CostModel (predict_ms_scalar, predict_spec_grid)
     base_rows: int,  # rows without drafts: one per decoding request + prefill chunk rows
     base_kv_tokens: int,
     base_tokens: float,  # tokens without drafts: sum(weights) + prefill completions
@@ -77,13 +77,8 @@ def plan_depths(
     num_spec = np.cumsum(first, axis=1)  # [D, P]
     lag = np.cumsum(first * drafter_lag[req_of][None, :], axis=1)  # [D, P]
     tokens = base_tokens + np.cumsum(in_cap * value[None, :], axis=1)  # [D, P]
-    ms = cost_model.predict_ms(
-        base_rows + rows,
-        base_kv_tokens + rows,
-        caps[:, None],
-        num_spec,
-        lag,
-        num_prefill_rows,
+    ms = cost_model.predict_spec_grid(
+        base_rows, base_kv_tokens, rows, caps[:, None], num_spec, lag, num_prefill_rows
     )  # [D, P]
     # Objective: tokens - rate_bar * ms (see module doc); rate_bar 0 falls back to tokens / ms.
     rate = tokens - rate_bar * ms if rate_bar > 0 else tokens / ms

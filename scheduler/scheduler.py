@@ -42,6 +42,9 @@ from scheduler.tenants import FairAdmission, TenantSpec
 StopChecker = Callable[[int, Sequence[int]], "tuple[int, str] | None"]
 
 
+_SPECULATION_CODE = {"off": 0, "auto": 1, "on": 2}
+
+
 class QueueFullError(RuntimeError):
     """The backlog is at --max-queue; the server answers 503."""
 
@@ -331,8 +334,14 @@ class Scheduler:
 
         # Decode rows: every decoding request gets at least its AR row, oldest first.
         decoders: list[Request] = []
+        bs = self.kv.block_size
+        held_of = self.kv.num_blocks_of
         for req in [r for r in self._live if r.state == ReqState.DECODING]:
-            if req.slot >= 0 and self._reserve(req, req.num_computed + 1, released):
+            if req.slot < 0:
+                continue
+            # fast path: the block of the AR row's position is already held
+            has_block = req.num_computed < held_of(req.req_id) * bs
+            if has_block or self._reserve(req, req.num_computed + 1, released):
                 decoders.append(req)
         decoders = [r for r in decoders if r.slot >= 0]
         prefills = [(r, c) for r, c in prefills if r.slot >= 0]
@@ -392,7 +401,22 @@ class Scheduler:
             self._last_reason = "no decoding request" if n == 0 else "no speculation"
             return [0] * n
         cfg = self.config
-        remaining = np.fromiter((r.num_remaining for r in decoders), np.int64, n)
+        # One pass over the requests into a [n, 7] table: the rest is array work.
+        spec_code = _SPECULATION_CODE
+        flat: list[int] = []
+        for r in decoders:
+            flat += (
+                r.spec.req_id,
+                r.slot,
+                r.spec.max_tokens - len(r.output_token_ids),
+                r.drafter_lag,
+                spec_code[r.spec.speculation],
+                r.last_mode,
+                r.mode_since_round,
+                r.num_computed,
+            )
+        table = np.array(flat, dtype=np.int64).reshape(n, 8)  # [n, 8]
+        remaining = table[:, 2]
         # Drain: nobody waits and slots are free, so capacity is not what limits the server;
         # the live requests finishing is. The last to finish sets the makespan, so a token is
         # worth its request's share of the largest remaining work.
@@ -404,27 +428,21 @@ class Scheduler:
         num_prefill_rows = sum(c for _, c in prefills)
         prefill_done = sum(1 for r, c in prefills if r.num_computed + c == r.num_prefill_target)
         base_rows = n + num_prefill_rows
-        base_kv_tokens = sum(r.num_computed + 1 for r in decoders) + sum(
-            r.num_computed + c for r, c in prefills
-        )
+        base_kv_tokens = int(table[:, 7].sum()) + n + sum(r.num_computed + c for r, c in prefills)
         base_tokens = float(weights.sum()) + prefill_done
         ar_ms = self.cost_model.predict_ms_scalar(
             base_rows, base_kv_tokens, 0, 0, 0, num_prefill_rows
         )
         self._round_ar_rate = (n + prefill_done) / ar_ms
         view = DecodeView(
-            req_ids=np.fromiter((r.req_id for r in decoders), np.int64, n),
-            slots=np.fromiter((r.slot for r in decoders), np.int64, n),
+            req_ids=table[:, 0],
+            slots=table[:, 1],
             num_remaining=remaining,
-            drafter_lag=np.fromiter((r.drafter_lag for r in decoders), np.int64, n),
-            may_spec=np.fromiter((r.spec.speculation != "off" for r in decoders), bool, n),
-            must_spec=np.fromiter((r.spec.speculation == "on" for r in decoders), bool, n),
-            was_spec=np.fromiter((r.last_mode == Mode.SPEC for r in decoders), bool, n),
-            in_dwell=np.fromiter(
-                (self._round_id - r.mode_since_round < cfg.min_dwell_rounds for r in decoders),
-                bool,
-                n,
-            ),
+            drafter_lag=table[:, 3],
+            may_spec=table[:, 4] > 0,
+            must_spec=table[:, 4] == 2,
+            was_spec=table[:, 5] == Mode.SPEC,
+            in_dwell=self._round_id - table[:, 6] < cfg.min_dwell_rounds,
             weights=weights,
             max_drafts=cfg.max_drafts,
             base_rows=base_rows,
@@ -461,7 +479,7 @@ class Scheduler:
             num_new = 1 + d
             # The table is exactly ceil(num_computed / bs) long after update(); every block
             # past that was allocated for this round (AR row in plan(), drafts here).
-            offset = num_blocks_for(req.num_computed, bs)
+            offset = -(-req.num_computed // bs)  # num_blocks_for, inlined (hot loop)
             if d > 0:
                 kv.extend_to(req.req_id, req.num_computed + num_new)
             new_ids = kv.blocks_from(req.req_id, offset)

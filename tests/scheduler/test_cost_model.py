@@ -79,3 +79,32 @@ def test_unseen_shapes_keep_the_profile_and_get_reprobed():
     assert first > 1.3 * raw_512
     assert later == pytest.approx(raw_512, rel=0.05)
     assert model.confidence(512, True) < 0.1 * CALIB_PRIOR_COUNT
+
+
+@given(
+    base_rows=st.integers(1, 3000),
+    prefill=st.sampled_from([0, 0, 300]),
+    cells=st.lists(
+        st.tuples(st.integers(0, 900), st.integers(1, 7), st.integers(1, 200), st.integers(0, 400)),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_planner_grid_matches_predict_ms(base_rows, prefill, cells):
+    model = CostModel(PROFILE, drafter_prefill=True)
+    rng = np.random.default_rng(1)
+    for rows in (64, 512, 2048):  # give some buckets a correction
+        raw = model.raw_ms_scalar(rows, 0)
+        model.observe(rows, True, raw, raw * rng.uniform(0.8, 1.2))
+    extra, depth, num_spec, lag = (np.array(v) for v in zip(*cells))
+    grid = model.predict_spec_grid(base_rows, 5000, extra, depth, num_spec, lag, prefill)
+    for i in range(len(cells)):
+        want = model.predict_ms_scalar(
+            int(base_rows + extra[i]),
+            int(5000 + extra[i]),
+            int(depth[i]),
+            int(num_spec[i]),
+            int(lag[i]),
+            prefill,
+        )
+        assert grid[i] == pytest.approx(want, rel=1e-9)

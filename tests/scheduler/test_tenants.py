@@ -8,13 +8,9 @@ from hypothesis import strategies as st
 
 from scheduler.plan import SamplingSpec
 from scheduler.request import Request, RequestSpec
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.sim.acceptance_model import AcceptanceClass
-from scheduler.sim.executor import SimExecutor
+from scheduler.sim.fairness import run_saturated
 from scheduler.tenants import FairAdmission, TenantSpec, jain_index
 from tests.scheduler.test_lifecycle_invariants import PROFILE
-
-FLAT = (AcceptanceClass(1.0, 0.8, 0.8, 0.0, 0.0),)
 
 
 def _spec(req_id, tenant, max_tokens, prompt_len=8):
@@ -27,39 +23,6 @@ def _spec(req_id, tenant, max_tokens, prompt_len=8):
     )
 
 
-def run_saturated(tenants, concurrency, lengths, num_rounds, seed=0):
-    """Every tenant always has a backlog; returns slot-seconds per tenant and the max live
-    count seen per tenant."""
-    cfg = SchedulerConfig(max_concurrency=concurrency, spec_mode="ar", max_queue=100_000)
-    sched = Scheduler(cfg, num_kv_blocks=4096, tenants=tenants)
-    ex = SimExecutor(PROFILE, FLAT, concurrency, seed=seed, noise_sigma=0.0)
-    next_id = 0
-    per_tenant_backlog = 3 * concurrency
-    for t in tenants:
-        for _ in range(per_tenant_backlog):
-            sched.add_request(_spec(next_id, t.name, lengths[next_id % len(lengths)]))
-            next_id += 1
-    tenant_of = {}
-    max_live = dict.fromkeys((t.name for t in tenants), 0)
-    now = 0.0
-    for _ in range(num_rounds):
-        plan = sched.plan(now)
-        live = {}
-        for r in sched._live:
-            live[r.spec.tenant] = live.get(r.spec.tenant, 0) + 1
-            tenant_of[r.req_id] = r.spec.tenant
-        for name, count in live.items():
-            max_live[name] = max(max_live[name], count)
-        result = ex.run(plan)
-        now += result.timings.total_ms / 1e3
-        for d in sched.update(result, now):
-            if d.finish_reason:  # keep every tenant backlogged
-                tenant = tenant_of[d.req_id]
-                sched.add_request(_spec(next_id, tenant, lengths[next_id % len(lengths)]))
-                next_id += 1
-    return sched.admission.slot_seconds(), max_live
-
-
 @settings(max_examples=6, deadline=None)
 @given(
     weights=st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=2, max_size=3),
@@ -68,19 +31,18 @@ def run_saturated(tenants, concurrency, lengths, num_rounds, seed=0):
 )
 def test_weighted_shares_within_ten_percent(weights, concurrency, lengths):
     tenants = [TenantSpec(f"t{i}", w) for i, w in enumerate(weights)]
-    seconds, _ = run_saturated(tenants, concurrency, lengths, num_rounds=500)
-    total = sum(seconds[t.name] for t in tenants)
+    out = run_saturated(PROFILE, tenants, concurrency, lengths, num_rounds=500)
     for t in tenants:
-        share = seconds[t.name] / total
-        want = t.weight / sum(weights)
+        share, want = out["share"][t.name], out["weight_share"][t.name]
         assert abs(share - want) <= 0.1 * want, (t.name, share, want)
-    assert jain_index([seconds[t.name] / t.weight for t in tenants]) > 0.99
+    assert out["jain_index"] > 0.99
 
 
 def test_capped_tenant_waits_without_blocking_others():
     tenants = [TenantSpec("capped", 4.0, max_concurrency=1), TenantSpec("a"), TenantSpec("b")]
-    seconds, max_live = run_saturated(tenants, 6, [5, 9, 13], num_rounds=400)
-    assert max_live["capped"] == 1
+    out = run_saturated(PROFILE, tenants, 6, [5, 9, 13], num_rounds=400)
+    seconds = out["slot_seconds"]
+    assert out["max_live"]["capped"] == 1
     # the other two share the remaining 5 slots equally
     assert seconds["a"] == pytest.approx(seconds["b"], rel=0.1)
     assert seconds["a"] > 2 * seconds["capped"]

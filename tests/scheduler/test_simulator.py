@@ -1,0 +1,158 @@
+"""The simulator: acceptance model, policies through the real scheduler, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from scheduler.cost_model import CostModel
+from scheduler.plan import SamplingSpec
+from scheduler.request import RequestSpec
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sim import cli
+from scheduler.sim.acceptance_model import AcceptanceState
+from scheduler.sim.baselines import POLICY_NAMES, make_policy
+from scheduler.sim.executor import SimExecutor, default_token
+from scheduler.sim.runner import SimSetup, Workload, run_sim
+from tests.scheduler.test_lifecycle_invariants import COHORTS, PROFILE, PROFILES
+
+
+def test_acceptance_paths_follow_the_model():
+    for name in ("code", "prose"):
+        (cls,) = COHORTS[name]
+        state = AcceptanceState(COHORTS[name], seed=3, max_len=4000)
+        accepted = 0
+        for req_id in range(20):
+            state.enter(0, req_id)
+            accepted += sum(state.accepted(0, t, 1) for t in range(4000))
+        assert accepted / 80000 == pytest.approx(cls.mean_acceptance, abs=0.02)
+        # the oracle's first position is the acceptance of the state it sees
+        state.enter(0, 0)
+        path = state.path(0)
+        s = state.true_survival(np.array([0]), np.array([10]), 3)[0]
+        assert s[0] == pytest.approx(cls.easy if path.state[10] == 0 else cls.hard)
+        assert (np.diff(s) < 0).all()
+
+
+def test_same_draws_for_every_policy():
+    a = AcceptanceState(COHORTS["mixed"], seed=5)
+    b = AcceptanceState(COHORTS["mixed"], seed=5)
+    b.enter(1, 9)  # entering in another order or slot does not change a request's path
+    a.enter(0, 9)
+    assert [a.accepted(0, t, 7) for t in range(200)] == [b.accepted(1, t, 7) for t in range(200)]
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_keeps_greedy_outputs(policy):
+    """Whatever a policy decides, each request's tokens are the greedy stream, in order."""
+    mode = {"all-ar": "ar", "all-spec": "spec"}.get(policy, "adaptive")
+    cfg = SchedulerConfig(max_concurrency=3, spec_mode=mode, spec_depth=5, block_size=8)
+    ex = SimExecutor(PROFILE, COHORTS["mixed"], 3, seed=1)
+    pol = make_policy(
+        policy,
+        profile=PROFILE,
+        executor=ex,
+        max_drafts=4,
+        mean_context=80,
+        drafter_prefill=True,
+    )
+    sched = Scheduler(cfg, 200, CostModel(PROFILE), policy=pol)
+    for i in range(7):
+        sched.add_request(
+            RequestSpec(
+                req_id=i,
+                prompt_token_ids=tuple(range(50 + i)),
+                sampling=SamplingSpec(),
+                max_tokens=30 + 5 * i,
+            )
+        )
+    out: dict[int, list[int]] = {i: [] for i in range(7)}
+    now = 0.0
+    while sched.has_work():
+        result = ex.run(sched.plan(now))
+        now += result.timings.total_ms / 1e3
+        for d in sched.update(result, now):
+            out[d.req_id].extend(d.token_ids)
+    for i in range(7):
+        assert out[i] == [default_token(i, t) for t in range(30 + 5 * i)]
+    assert sched.kv.num_free == 200
+
+
+def test_adaptive_follows_the_better_fixed_mode():
+    wl = Workload(num_requests=8, max_tokens=160, prompt_len=64)
+    tok = {
+        (cohort, p): run_sim(
+            PROFILE, COHORTS[cohort], SimSetup(policy=p, concurrency=2), wl
+        ).full_live_tok_s
+        for cohort in ("code", "prose")
+        for p in ("adaptive", "all-ar", "all-spec")
+    }
+    # code at C = 2: speculation wins big; prose: plain decoding beats full-depth speculation
+    assert tok[("code", "all-spec")] > 1.5 * tok[("code", "all-ar")]
+    assert tok[("prose", "all-ar")] > tok[("prose", "all-spec")]
+    for cohort in ("code", "prose"):
+        best = max(tok[(cohort, "all-ar")], tok[(cohort, "all-spec")])
+        assert tok[(cohort, "adaptive")] >= 0.98 * best
+
+
+def test_poisson_workload_and_tenant_mix():
+    wl = Workload(
+        kind="poisson",
+        num_requests=12,
+        max_tokens=40,
+        prompt_len=32,
+        arrival_rate=50.0,
+        tenant_mix=(("a", 1.0), ("b", 1.0)),
+    )
+    r = run_sim(PROFILE, COHORTS["mixed"], SimSetup(policy="adaptive", concurrency=4), wl)
+    assert r.num_tokens == 12 * 40
+    assert set(r.tenant_slot_seconds) == {"a", "b"}
+    assert r.latency_p99_s >= r.latency_mean_s > 0
+
+
+def test_cli_writes_json(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    rc = cli.main(
+        [
+            "--profile",
+            str(PROFILES / "h200-qwen3-8b.json"),
+            "--acceptance",
+            str(PROFILES / "acceptance.json"),
+            "--cohort",
+            "code",
+            "--concurrency",
+            "1,2",
+            "--policies",
+            "adaptive,all-ar",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "24",
+            "--prompt-len",
+            "16",
+            "--workers",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert len(data["results"]) == 4
+    row = data["results"][0]
+    for key in (
+        "full_live_tok_s",
+        "refill_tok_s",
+        "mean_accepted_len",
+        "mean_rows",
+        "route_mix",
+        "policy",
+        "cohort",
+        "concurrency",
+    ):
+        assert key in row
+    assert "full-live tok/s" in capsys.readouterr().out
+    assert cli.main(["--policies", "nonsense"]) == 2
+    assert cli.main(["--cohort", "nonsense", "--concurrency", "1", "--workers", "1"]) == 2
