@@ -56,7 +56,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         warp_size=32,
         lds_bytes=227 * 1024,
         attention=AttentionTiles(
-            block_n=64, max_block_m=128, num_warps=4, num_warps_large=8, num_stages=3,
+            block_n=64, max_block_m=64, num_warps=4, num_warps_large=8, num_stages=2,
             waves_per_eu=0, min_split_len=512, max_splits=32, programs_per_sm=4,
         ),
         row_warps=8,

@@ -225,6 +225,18 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def choose_rows_per_tile(max_block_m: int, group: int, rows_hint: int) -> int:
+    """Rows of one sequence per program: all of them up to `max_block_m` query vectors.
+
+    A tile never spans sequences, so rows beyond `rows_hint` (the deepest sequence) would only
+    be padding. Past the cap a sequence takes several tiles (16 rows x GQA 8 under a 64-vector
+    cap: two 8-row tiles); they sit next to each other in the grid, so they run at the same time
+    and the second read of the shared KV mostly hits L2.
+    """
+    rows_cap = max(1, max_block_m // _next_pow2(group))
+    return min(_next_pow2(max(1, rows_hint)), _next_pow2(rows_cap))
+
+
 def choose_num_splits(
     device: torch.device, num_tiles: int, num_kv_heads: int, max_kv_len: int
 ) -> int:
@@ -290,10 +302,8 @@ def verify_attention(
     group_pad = _next_pow2(group)
     d_pad = _next_pow2(head_dim)
     if rows_per_tile is None:
-        rows_cap = max(1, tiles.max_block_m // group_pad)
-        # A tile never spans sequences: rows beyond the longest sequence would only be padding.
         rows_hint = max_q_len if max_q_len is not None else triton.cdiv(num_rows, max(1, num_seqs))
-        rows_per_tile = min(_next_pow2(max(1, rows_hint)), _next_pow2(rows_cap))
+        rows_per_tile = choose_rows_per_tile(tiles.max_block_m, group, rows_hint)
     assert rows_per_tile >= 1
     block_m = max(16, _next_pow2(rows_per_tile * group_pad))  # tl.dot needs M >= 16
     num_tiles = triton.cdiv(num_rows, rows_per_tile) + num_seqs

@@ -1,6 +1,6 @@
 """Benchmark of the verify-pass kernels on one GPU; writes a JSON record and prints a table.
 
-    python -m kernels.bench --out DIR [--tune] [--quick]
+    python -m kernels.bench --out DIR [--tune] [--quick] [--tiles block_n=64,num_stages=2]
     python -m kernels.bench --render docs/perf/kernels.json   # Markdown tables of a record
 
 Verify attention is timed at contexts 1k/8k/32k, rows per sequence 1/8/16, batch 1/16/64,
@@ -11,7 +11,10 @@ gather is not timed; GQA is folded into the query length so SDPA reads each KV h
 Achieved KV bandwidth counts each sequence's K and V bytes once, and is compared with the copy
 bandwidth (bytes read + written) of a large device-to-device copy measured in the same run.
 Every timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), which
-also proves the kernels capture. `--tune` first sweeps tile settings on three shapes.
+also proves the kernels capture. `--tune` first sweeps tile settings on the shapes nearest the
+targets; `--tiles` overrides entries of this GPU's arch-table tiles for the whole run. Every
+kernel variant is compiled first in parallel worker processes (`kernels.bench_compile`), so the
+GPU machine's time goes to timing rather than to one-at-a-time compilation.
 """
 
 from __future__ import annotations
@@ -43,15 +46,28 @@ CONTEXTS = (1024, 8192, 32768)
 ROWS = (1, 8, 16)
 BATCHES = (1, 16, 64)
 GQAS = (4, 8)
+# Milliseconds of kernel time per graph replay; each timing is the median of 10 such replays.
+REP_MS = 25
+# Shapes of the tile sweep: the ones nearest the targets, plus decode at the executor's shape.
+TUNE_SHAPES = (
+    (16, 8192, 16, 8), (16, 8192, 8, 4), (16, 8192, 8, 8), (64, 32768, 16, 8),
+    (1, 32768, 16, 8), (1, 32768, 8, 8), (64, 8192, 1, 4), (64, 1024, 1, 4),
+)
+# Tile settings the sweep tries, as changes to this GPU's arch-table entry ({}: the entry).
+TUNE_CHANGES = (
+    {}, {"num_stages": 3}, {"block_n": 128}, {"block_n": 128, "num_stages": 3},
+    {"programs_per_sm": 2}, {"programs_per_sm": 8}, {"num_warps": 8},
+    {"max_block_m": 128, "num_stages": 3},
+)
 
 
 def time_ms(fn) -> float:
     """Median ms of graph replays; eager do_bench if capture fails (recorded as such)."""
     try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
+        return float(triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median"))
     except Exception as exc:
         print(f"graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", flush=True)
-        return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=10, rep=REP_MS, return_mode="median"))
 
 
 def copy_bandwidth_tbps(device: torch.device) -> float:
@@ -115,7 +131,9 @@ def sdpa_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, gqa: i
     return lambda: fn(qf, k, v, attn_mask=mask, scale=scale)
 
 
-def bench_attention_shape(pool: KvPool, batch, ctx, rows, gqa, copy_tbps, with_sdpa=True):
+def bench_attention_shape(
+    pool: KvPool, batch, ctx, rows, gqa, copy_tbps, with_sdpa=True, with_per_row=True
+):
     q, cu, seq_lens, bt = pool.batch(batch, ctx, rows, gqa)
     scale = 1.0 / math.sqrt(HEAD_DIM)
     out = torch.empty_like(q)
@@ -133,12 +151,13 @@ def bench_attention_shape(pool: KvPool, batch, ctx, rows, gqa, copy_tbps, with_s
         )
 
     ours()
-    per_row()
     kv_bytes = batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2 * 2
     rec = {"batch": batch, "ctx": ctx, "rows": rows, "gqa": gqa, "kv_bytes": kv_bytes}
     rec["ours_ms"] = time_ms(ours)
-    rec["per_row_ms"] = time_ms(per_row)
-    rec["max_abs_diff_vs_per_row"] = float((out.float() - out_row.float()).abs().max())
+    if with_per_row:
+        per_row()
+        rec["per_row_ms"] = time_ms(per_row)
+        rec["max_abs_diff_vs_per_row"] = float((out.float() - out_row.float()).abs().max())
     if with_sdpa:
         k, v = pool.gathered(bt, ctx)
         sdpa = sdpa_fn(q, k, v, rows, gqa, scale)
@@ -150,28 +169,25 @@ def bench_attention_shape(pool: KvPool, batch, ctx, rows, gqa, copy_tbps, with_s
         del k, v
     rec["ours_tbps"] = kv_bytes / (rec["ours_ms"] * 1e-3) / 1e12
     rec["ours_frac_copy"] = rec["ours_tbps"] / copy_tbps
-    rec["speedup_vs_per_row"] = rec["per_row_ms"] / rec["ours_ms"]
+    if with_per_row:
+        rec["speedup_vs_per_row"] = rec["per_row_ms"] / rec["ours_ms"]
     if with_sdpa:
         rec["speedup_vs_sdpa"] = rec["sdpa_ms"] / rec["ours_ms"]
     return rec
 
 
 def tune(pool: KvPool, device: torch.device, copy_tbps: float) -> list[dict]:
-    shapes = [(16, 8192, 16, 8), (16, 8192, 8, 4), (64, 8192, 1, 4), (1, 32768, 8, 8)]
+    """Times our kernel (no baselines) on TUNE_SHAPES under each of TUNE_CHANGES."""
     base = arch.arch_config(device).attention
-    pps0, m0 = base.programs_per_sm, base.max_block_m
-    settings = [(n, st, pps0, m0) for n in (32, 64, 128) for st in (2, 3, 4)]
-    settings += [(base.block_n, base.num_stages, pps, m0) for pps in (1, 2, 8)]
-    # Smaller tiles: a 16-row GQA-8 tile becomes two 8-row tiles reading the same KV together.
-    settings += [(n, st, pps0, 64) for n in (64, 128) for st in (2, 3)]
     results = []
-    for block_n, stages, pps, max_m in settings:
-        set_attention_tiles(
-            device, block_n=block_n, num_stages=stages, programs_per_sm=pps, max_block_m=max_m
-        )
-        for batch, ctx, rows, gqa in shapes:
+    for changes in TUNE_CHANGES:
+        set_attention_tiles(device, **changes)
+        tiles = dataclasses.asdict(arch.arch_config(device).attention)
+        for batch, ctx, rows, gqa in TUNE_SHAPES:
             try:
-                rec = bench_attention_shape(pool, batch, ctx, rows, gqa, copy_tbps, False)
+                rec = bench_attention_shape(
+                    pool, batch, ctx, rows, gqa, copy_tbps, with_sdpa=False, with_per_row=False
+                )
             except Exception as exc:
                 rec = {
                     "batch": batch,
@@ -180,19 +196,37 @@ def tune(pool: KvPool, device: torch.device, copy_tbps: float) -> list[dict]:
                     "gqa": gqa,
                     "error": f"{type(exc).__name__}: {exc}"[:300],
                 }
-            rec.update(block_n=block_n, num_stages=stages, programs_per_sm=pps, max_block_m=max_m)
+            rec.update(changes=changes, tiles=tiles)
             results.append(rec)
-            print("tune", json.dumps(rec), flush=True)
-    set_attention_tiles(device, **dataclasses.asdict(base))
+        set_attention_tiles(device, **dataclasses.asdict(base))
     return results
+
+
+def tune_table(results: list[dict]) -> str:
+    """Markdown: one line per setting, % of copy bandwidth (time in us) per shape."""
+    shapes = list(dict.fromkeys((r["batch"], r["ctx"], r["rows"], r["gqa"]) for r in results))
+    head = " | ".join(f"b{b} {c // 1024}k r{r} GQA{g}" for b, c, r, g in shapes)
+    lines = [f"| change | {head} |", "|---|" + "---:|" * len(shapes)]
+    by_change: dict[str, dict] = {}
+    for r in results:
+        key = ", ".join(f"{k}={v}" for k, v in r["changes"].items()) or "(table entry)"
+        by_change.setdefault(key, {})[(r["batch"], r["ctx"], r["rows"], r["gqa"])] = r
+    for key, recs in by_change.items():
+        cells = []
+        for shape in shapes:
+            r = recs.get(shape, {})
+            if "ours_ms" in r:
+                cells.append(f"{100 * r['ours_frac_copy']:.1f}% ({r['ours_ms'] * 1e3:.0f})")
+            else:
+                cells.append("error")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def bench_small_kernels(device: torch.device) -> list[dict]:
     """Norms, RoPE, argmax/top-k and accept against their torch counterparts."""
-    bf = torch.bfloat16
     res = []
-
-    def add(name, ours, base, num_bytes):
+    for name, ours, base, num_bytes in small_kernel_cases(device):
         ours_ms, base_ms = time_ms(ours), time_ms(base)
         res.append(
             {
@@ -203,6 +237,16 @@ def bench_small_kernels(device: torch.device) -> list[dict]:
                 "ours_tbps": num_bytes / ours_ms / 1e9,
             }
         )
+    return res
+
+
+def small_kernel_cases(device: torch.device) -> list[tuple]:
+    """(name, our call, torch call, bytes our kernel moves) for every small-kernel case."""
+    bf = torch.bfloat16
+    res = []
+
+    def add(name, ours, base, num_bytes):
+        res.append((name, ours, base, num_bytes))
 
     n, h, inter = 1024, 4096, 12288
     x = torch.randn(n, h, device=device, dtype=bf)
@@ -299,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="folder for kernels.json")
     ap.add_argument("--render", type=Path, help="print a record's tables as Markdown and exit")
     ap.add_argument("--tune", action="store_true", help="sweep attention tile settings first")
-    ap.add_argument("--quick", action="store_true", help="one batch and context only")
+    ap.add_argument("--quick", action="store_true", help="batch 1 and 16, 8k and 32k only")
+    ap.add_argument("--tiles", default="", help="arch-table tile changes: block_n=64,num_stages=2")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the full grid (tune only)")
     args = ap.parse_args(argv)
     if args.render:
         print(markdown_tables(json.loads(args.render.read_text())))
@@ -317,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         "num_sms": props.multi_processor_count,
         "arch_family": arch.arch_config(device).family,
     }
+    tile_changes = parse_tiles(args.tiles)
+    if tile_changes:
+        set_attention_tiles(device, **tile_changes)
+        record["tile_changes"] = tile_changes
     record["copy_tbps"] = copy_bandwidth_tbps(device)
     print(f"{record['gpu']}  copy (read+write) {record['copy_tbps']:.3f} TB/s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -324,14 +374,26 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:  # after every stage, so a run cut short still leaves its numbers
         (args.out / "kernels.json").write_text(json.dumps(record, indent=1))
 
+    shapes = [(b, c, r, g) for c in CONTEXTS for b in BATCHES for r in ROWS for g in GQAS]
+    if args.quick:
+        shapes = [s for s in shapes if s[0] in (1, 16) and s[1] in (8192, 32768)]
+    if args.no_baselines:
+        shapes = []
+    from kernels import bench_compile  # imports this module: loaded here to avoid a cycle
+
+    record["compile"] = bench_compile.compile_all(
+        device, shapes, TUNE_CHANGES if args.tune else (), small=not args.no_baselines
+    )
+    print("compile", json.dumps(record["compile"]), flush=True)
     pool = KvPool(device, max(BATCHES) * max(CONTEXTS))
     if args.tune:
         record["tune"] = tune(pool, device, record["copy_tbps"])
         save()
+        print(tune_table(record["tune"]), flush=True)
     record["attention_tiles"] = dataclasses.asdict(arch.arch_config(device).attention)
-    shapes = [(b, c, r, g) for c in CONTEXTS for b in BATCHES for r in ROWS for g in GQAS]
-    if args.quick:
-        shapes = [s for s in shapes if s[0] in (1, 16) and s[1] in (8192, 32768)]
+    save()
+    if args.no_baselines:
+        return 0
     record["attention"] = []
     for batch, ctx, rows, gqa in shapes:
         rec = bench_attention_shape(pool, batch, ctx, rows, gqa, record["copy_tbps"])
@@ -344,6 +406,18 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print_table(record)
     return 0
+
+
+def parse_tiles(text: str) -> dict[str, int]:
+    """'block_n=64,num_stages=2' -> {'block_n': 64, 'num_stages': 2}; names are checked."""
+    fields = {f.name for f in dataclasses.fields(arch.AttentionTiles)}
+    changes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise ValueError(f"unknown tile field {name!r}; known: {sorted(fields)}")
+        changes[name] = int(value)
+    return changes
 
 
 def markdown_tables(record: dict) -> str:

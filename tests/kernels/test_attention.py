@@ -9,7 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.attention import choose_num_splits, verify_attention, verify_attention_ref
+from kernels.attention import (
+    choose_num_splits,
+    choose_rows_per_tile,
+    verify_attention,
+    verify_attention_ref,
+)
 from tests.kernels.paged import ragged_batch, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,3 +112,38 @@ def test_split_choice_fills_the_gpu_and_respects_bounds():
     assert many == 1
     assert few > 1
     assert short == 1
+
+
+@settings(max_examples=40)
+@given(
+    max_block_m=st.sampled_from([16, 32, 64, 128]),
+    group=st.integers(1, 16),
+    rows_hint=st.integers(1, 600),
+)
+def test_tile_rows_respect_the_cap_and_the_deepest_sequence(max_block_m, group, rows_hint):
+    rows = choose_rows_per_tile(max_block_m, group, rows_hint)
+    group_pad = 1 << (group - 1).bit_length()
+    assert rows >= 1 and rows & (rows - 1) == 0
+    # Within the cap (one row even when a padded group alone exceeds it), never past the hint's
+    # power of two, and as large as both allow.
+    assert rows * group_pad <= max(max_block_m, group_pad)
+    assert rows < 2 * rows_hint
+    assert rows * 2 * group_pad > max_block_m or rows >= rows_hint
+
+
+def test_sixteen_rows_of_gqa8_take_two_tiles_under_a_64_vector_cap():
+    assert choose_rows_per_tile(64, 8, 16) == 8
+    assert choose_rows_per_tile(64, 4, 16) == 16
+    assert choose_rows_per_tile(64, 4, 1) == 1  # decode: the per-row launch exactly
+    assert choose_rows_per_tile(128, 8, 16) == 16
+
+
+def test_two_tiles_of_one_sequence_match_reference():
+    # 16 rows x GQA 8 under a 64-vector cap: two 8-row tiles per 16-row sequence.
+    batch = ragged_batch(
+        [16, 1, 16], [90, 40, 0], num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=16,
+        dtype=torch.float32, device=DEV,
+    )
+    _check(batch, rows_per_tile=8, num_splits=1)
+    _check(batch, rows_per_tile=8, num_splits=3)
+    _check(batch, max_q_len=16)
