@@ -55,8 +55,8 @@ TUNE_SHAPES = (
 )
 # Tile settings the sweep tries, as changes to this GPU's arch-table entry ({}: the entry).
 TUNE_CHANGES = (
-    {}, {"num_stages": 3}, {"block_n": 128}, {"block_n": 128, "num_stages": 3},
-    {"programs_per_sm": 2}, {"programs_per_sm": 8}, {"num_warps": 8},
+    {}, {"num_stages": 3}, {"block_n": 32}, {"block_n": 32, "num_stages": 3}, {"block_n": 128},
+    {"num_warps": 8}, {"programs_per_sm": 2}, {"programs_per_sm": 8},
     {"max_block_m": 128, "num_stages": 3},
 )
 
