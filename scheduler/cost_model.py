@@ -41,11 +41,18 @@ CALIB_PRIOR_COUNT = 3.0
 CALIB_DECAY = 0.995
 
 
+def _tail_slope(xs: np.ndarray, ys: np.ndarray) -> float:
+    """Slope of the last segment (0 for a single point: a flat curve)."""
+    if len(xs) < 2:
+        return 0.0
+    return float((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+
+
 def _interp_linear_tail(x, xs: np.ndarray, ys: np.ndarray):
     """Piecewise-linear interpolation that continues the last segment past the end and is
     clamped to the first point below the start."""
     y = np.interp(x, xs, ys)
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    slope = _tail_slope(xs, ys)
     return np.where(x > xs[-1], ys[-1] + (np.asarray(x) - xs[-1]) * slope, y)
 
 
@@ -64,7 +71,7 @@ class _Curve:
     @classmethod
     def from_points(cls, xs: np.ndarray, ys: np.ndarray) -> _Curve:
         table = _interp_linear_tail(np.arange(TABLE_ROWS), xs, ys)
-        return cls(table, float((ys[-1] - ys[-2]) / (xs[-1] - xs[-2])))
+        return cls(table, _tail_slope(xs, ys))
 
     def __call__(self, rows):
         rows = np.asarray(rows, dtype=np.int64)

@@ -28,6 +28,11 @@ HYSTERESIS = 0.03
 # switching to speculation yields at least one observation before it can be dropped again.
 # Arrivals and departures lift the dwell: the plan is re-made at once on a new cohort.
 MIN_DWELL_ROUNDS = 2
+# Catch-up amortisation (see amortized_lag): a speculating request emits a few tokens per
+# round (mean accepted lengths of about 2 to 5 in docs/perf/scheduler.md), and 8 rounds is a
+# horizon over which its acceptance estimate stays relevant.
+TOKENS_PER_SPEC_ROUND = 4.0
+CATCHUP_HORIZON_ROUNDS = 8.0
 # EMA weight of one round in the rate bar: ~20 rounds, enough to average the luck of single
 # rounds, short enough to follow a change of regime (arrivals, drain) within a second or so.
 RATE_ALPHA = 0.05
@@ -101,6 +106,19 @@ class RateTracker:
         self._ar_tokens += a * (measured_ms * ar_rate - self._ar_tokens)
 
 
+def amortized_lag(view: DecodeView) -> np.ndarray:
+    """[n] catch-up rows the planner charges to a request's first SPEC round.
+
+    Catching the drafter up (after a prefill or AR rounds) is paid once and enables every
+    later SPEC round of the request, so charging it all to one round would lock requests out
+    of speculation exactly where a one-off cost is worth it. The planner spreads it over the
+    rounds the request can still speculate: its remaining tokens at ~TOKENS_PER_SPEC_ROUND per
+    round, at most CATCHUP_HORIZON_ROUNDS. (The predicted and measured round times keep the
+    full catch-up.)"""
+    horizon = np.clip(view.num_remaining / TOKENS_PER_SPEC_ROUND, 1.0, CATCHUP_HORIZON_ROUNDS)
+    return np.ceil(view.drafter_lag / horizon).astype(np.int64)
+
+
 def depth_caps(view: DecodeView) -> np.ndarray:
     """[n] the most drafts each request can use: a chain never needs to run past max_tokens."""
     caps = np.minimum(view.num_remaining - 1, view.max_drafts)
@@ -160,7 +178,7 @@ class AdaptivePolicy:
             value,
             key,
             weights,
-            view.drafter_lag,
+            amortized_lag(view),
             cost_model,
             view.base_rows,
             view.base_kv_tokens,

@@ -64,7 +64,10 @@ class SchedulerConfig:
     max_model_len: int = _f(0, "prompt + max_tokens limit; 0: only the KV capacity limits")
     has_drafter: bool = _f(True, "a drafter is loaded; without one no round speculates")
     drafter_follows_prefill: bool = _f(
-        True, "the drafter computes prefill chunks alongside the target (cost model term)"
+        False,
+        "the drafter computes prefill chunks alongside the target; otherwise (the executor's "
+        "draft-model drafter) it catches up on the whole context at a request's first SPEC "
+        "round",
     )
     prior_acceptance: float = _f(0.7, "drafter acceptance assumed before any observation")
     kv_watermark: float = _f(
@@ -552,7 +555,9 @@ class Scheduler:
                 if not planned.sample:
                     continue
                 req.state = ReqState.DECODING
-                req.drafter_lag = 0
+                # the drafter has seen the context only if it followed the prefill
+                follows = self.config.drafter_follows_prefill
+                req.drafter_lag = 0 if follows else req.num_prefill_target
                 self._cohort_changed = True
             elif planned.mode == Mode.AR:
                 req.num_computed += 1

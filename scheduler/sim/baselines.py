@@ -28,6 +28,7 @@ from scheduler.policy import (
     AllSpecPolicy,
     Decision,
     DecodeView,
+    amortized_lag,
     depth_caps,
     usable_survival,
 )
@@ -57,7 +58,6 @@ class ThresholdPolicy:
         mean_acceptance: float,
         max_drafts: int,
         mean_context: int,
-        drafter_prefill: bool = True,
     ):
         self.table: dict[int, int] = {}
         for batch in BATCH_SIZES:
@@ -211,7 +211,7 @@ class OraclePolicy:
             survival,
             key,
             view.weights,
-            view.drafter_lag,
+            amortized_lag(view),
             self.true_cost,
             view.base_rows,
             view.base_kv_tokens,
@@ -255,7 +255,6 @@ def make_policy(
             executor.acceptance.mean_acceptance(),
             max_drafts,
             mean_context,
-            drafter_prefill,
         )
     if name == "goodput":
         return GoodputPolicy(profile)

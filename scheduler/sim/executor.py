@@ -34,7 +34,7 @@ class SimExecutor:
         seed: int = 0,
         noise_sigma: float = 0.03,
         time_scale: Callable[[int, bool], float] | None = None,
-        drafter_prefill: bool = True,
+        drafter_prefill: bool = False,
         token_fn: Callable[[int, int], int] = default_token,
         max_output_len: int = 8192,
     ):
@@ -73,7 +73,8 @@ class SimExecutor:
             if r.mode == Mode.PREFILL:
                 num_prefill_rows += r.num_new
                 num_emit = 1 if r.sample else 0
-                self.slot_lag[slot] = 0
+                # a drafter that does not follow prefills catches up on the whole context
+                self.slot_lag[slot] = 0 if self.drafter_prefill else r.num_computed + r.num_new
             elif r.mode == Mode.AR:
                 num_emit = 1
                 self.slot_lag[slot] += 1

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler.cost_model import CALIB_PRIOR_COUNT, CostModel
+from scheduler.cost_model import CALIB_PRIOR_COUNT, CostModel, ProfileCost
 from tests.scheduler.test_lifecycle_invariants import PROFILE
 
 
@@ -108,3 +108,18 @@ def test_planner_grid_matches_predict_ms(base_rows, prefill, cells):
             prefill,
         )
         assert grid[i] == pytest.approx(want, rel=1e-9)
+
+
+def test_single_point_profile_is_flat():
+    one = ProfileCost(
+        {
+            "target": {
+                "rows_ms": [[16, 5.0]],
+                "kv_bytes_per_token": 0,
+                "kv_read_TBps_assumed": 1.0,
+            },
+            "draft_model": {"rows_ms_per_step": [[1, 1.0]]},
+        }
+    )
+    assert one.round_ms_scalar(100, 0) == pytest.approx(5.0)
+    assert float(one.round_ms(5000, 0, 3, 4)) == pytest.approx(8.0)
