@@ -202,6 +202,31 @@ def tune(pool: KvPool, device: torch.device, copy_tbps: float) -> list[dict]:
     return results
 
 
+def compiled_attention_variants(limit: int = 120) -> list[dict]:
+    """Registers, spills and shared memory of every verify-attention binary loaded so far, with
+    the specialisation key (tile constants, warps, stages) it was compiled for."""
+    from kernels.attention import _verify_attention_kernel
+
+    found = []
+    try:
+        for caches in _verify_attention_kernel.device_caches.values():
+            for key, kernel in caches[0].items():
+                meta = kernel.metadata
+                found.append(
+                    {
+                        "regs": getattr(kernel, "n_regs", None),
+                        "spills": getattr(kernel, "n_spills", None),
+                        "shared": getattr(meta, "shared", None),
+                        "num_warps": getattr(meta, "num_warps", None),
+                        "num_stages": getattr(meta, "num_stages", None),
+                        "key": str(key)[:2000],
+                    }
+                )
+    except Exception as exc:  # Triton internals differ between versions: record, go on
+        found.append({"error": f"{type(exc).__name__}: {exc}"[:300]})
+    return found[:limit]
+
+
 def tune_table(results: list[dict]) -> str:
     """Markdown: one line per setting, % of copy bandwidth (time in us) per shape."""
     shapes = list(dict.fromkeys((r["batch"], r["ctx"], r["rows"], r["gqa"]) for r in results))
@@ -388,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = KvPool(device, max(BATCHES) * max(CONTEXTS))
     if args.tune:
         record["tune"] = tune(pool, device, record["copy_tbps"])
+        record["tune_binaries"] = compiled_attention_variants()
         save()
         print(tune_table(record["tune"]), flush=True)
     record["attention_tiles"] = dataclasses.asdict(arch.arch_config(device).attention)
