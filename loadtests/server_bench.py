@@ -60,7 +60,7 @@ class Window:
     rows: int
     seconds: float
     loop_cpu_s: float = 0.0  # HTTP side: CPU time of the server's event-loop thread
-    engine_cpu_s: float = 0.0  # HTTP side: CPU time of the server's engine thread
+    engine_cpu_s: float = 0.0  # CPU time of the engine (thread or process)
 
     @property
     def rounds_per_s(self) -> float:
@@ -125,10 +125,12 @@ def _direct_worker(argv: list[str], concurrency: int, max_tokens: int, threads: 
             num_tokens += sum(len(o.token_ids) for o in output.outputs)
             if output.finished:
                 add()
-        rows = sum(r.num_rows for r in engine.stats().rounds)
-        counters[0] += 1
+        # Rounds as the server counts them (`hipfire:round_measured_seconds_count`): the rounds
+        # the engine recorded, not step() calls.
+        rounds = engine.stats().rounds
+        counters[0] += len(rounds)
         counters[1] += num_tokens
-        counters[2] += rows
+        counters[2] += sum(r.num_rows for r in rounds)
 
 
 class DirectSide:
@@ -145,6 +147,10 @@ class DirectSide:
         self.proc.start()
         if not ready.wait(timeout=300):
             raise RuntimeError("direct engine did not start")
+
+    def thread_cpu_s(self) -> tuple[float, float]:
+        """(0, engine process) CPU seconds so far: the direct side has no event loop."""
+        return 0.0, sum(_thread_cpu(self.proc.pid).values())
 
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
@@ -280,14 +286,13 @@ def _thread_cpu(pid: int) -> dict[int, float]:
 async def _measure(side, name: str, seconds: float) -> Window:
     side.resume()
     await asyncio.sleep(0.3)  # let it get back into its stride
-    is_http = name != "direct"
-    cpu_before = side.thread_cpu_s() if is_http else (0.0, 0.0)
+    cpu_before = side.thread_cpu_s()
     before = await side.read()
     t0 = time.monotonic()
     await asyncio.sleep(seconds)
     after = await side.read()
     elapsed = time.monotonic() - t0
-    cpu_after = side.thread_cpu_s() if is_http else (0.0, 0.0)
+    cpu_after = side.thread_cpu_s()
     side.pause()
     r, t, w = (a - b for a, b in zip(after, before))
     loop_s, engine_s = (a - b for a, b in zip(cpu_after, cpu_before))
@@ -345,6 +350,9 @@ def summarize(windows: list[Window]) -> dict:
         "direct": {
             "median_rounds_per_s": direct_rps,
             "median_rows_per_round": _median([w.rows_per_round for w in of("direct")]),
+            "median_engine_cpu_ms_per_round": _median(
+                [1e3 * w.engine_cpu_s / max(w.rounds, 1) for w in of("direct")]
+            ),
         },
     }
     for side in sorted({w.side for w in windows} - {"direct"}):
@@ -401,7 +409,7 @@ def write_report(out: Path, args, model_desc: str, runs: dict[str, list[Window]]
         d = s["direct"]
         rows.append(
             f"| `{mode}` | direct | {d['median_rounds_per_s']:.1f} | | "
-            f"{d['median_rows_per_round']:.1f} | |"
+            f"{d['median_rows_per_round']:.1f} | - / {d['median_engine_cpu_ms_per_round']:.2f} |"
         )
         for side in sorted(k for k in s if k.startswith("http-")):
             h = s[side]
@@ -435,8 +443,8 @@ Target: HTTP / direct >= 0.90. `ar` fixes the round shape (one row per decoding 
 isolates the server's cost; under `adaptive` the policy picks routes from its own calibration,
 so the sides may run rounds of different sizes (see rows/round). The last column is the CPU time
 per round of the server's event-loop thread (all HTTP work: parsing, SSE encoding, socket
-writes, metrics) and of the engine (thread, or child process), read from `/proc` during the
-HTTP windows. Medians over the windows; per-window numbers: `server.json`.
+writes, metrics) and of the engine (thread, or child process; for the direct side its
+process), read from `/proc`. Medians over the windows; per-window numbers: `server.json`.
 """
     (out / "server.md").write_text(md)
     print(md)
