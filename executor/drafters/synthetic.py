@@ -20,6 +20,13 @@ the same traces.
 
 Proposals are placeholder tokens; `DraftBatch.forced_accept` carries the accepted count and the
 executor emits the *target's own* tokens with that length, so outputs stay the target's.
+
+Cost: on its own the drafter costs nothing, which flatters speculation. Given a real drafter as
+`inner` (ngram, a draft model), every call is passed on to it as well: its proposals are computed
+and thrown away, so each round pays the drafting and catch-up time that drafter would, while
+acceptance still comes from the profile. The inner drafter is told the synthetic accepted counts
+at commit, so its own state (a draft model's valid KV length, hence its catch-up rows) follows
+the same path as it would with those acceptances.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from executor.drafters.base import DraftBatch, DraftRequest
+from executor.drafters.base import DraftBatch, Drafter, DraftRequest
 
 # trace entries drawn at a time when a request's trace runs out
 _TRACE_CHUNK = 64
@@ -112,17 +119,36 @@ class SyntheticDrafter:
     name = "synthetic"
     has_probs = False
 
-    def __init__(self, acceptance_profile_path: str | Path, cohort: str, seed: int = 0):
+    def __init__(
+        self,
+        acceptance_profile_path: str | Path,
+        cohort: str,
+        seed: int = 0,
+        inner: Drafter | None = None,
+    ):
         self.classes = load_cohort(acceptance_profile_path, cohort)
         self.cohort = cohort
         self.seed = seed
+        self.inner = inner  # a real drafter run only for its cost (see the module doc)
         weights = np.asarray([c.weight for c in self.classes], dtype=np.float64)
         self._class_p = weights / weights.sum()  # [num_classes]
         self._num_setups: dict[int, int] = {}  # context hash -> set-ups seen
         self._traces: dict[int, _Trace] = {}  # slot -> trace
         self._base_len: dict[int, int] = {}  # slot -> context length at set-up
 
+    @property
+    def model(self):
+        """The inner drafter's model, if it has one (the cost profiler times its chain steps)."""
+        return getattr(self.inner, "model", None)
+
+    def bind_block_tables(self, block_tables: np.ndarray) -> None:
+        """The executor's block table, for an inner drafter that keeps paged KV of its own."""
+        if hasattr(self.inner, "bind_block_tables"):
+            self.inner.bind_block_tables(block_tables)
+
     def setup(self, slot: int, context: list[int]) -> None:
+        if self.inner is not None:
+            self.inner.setup(slot, context)
         key = zlib.crc32(np.asarray(context, dtype=np.int64).tobytes())
         occurrence = self._num_setups.get(key, 0)
         self._num_setups[key] = occurrence + 1
@@ -132,17 +158,27 @@ class SyntheticDrafter:
         self._base_len[slot] = len(context)
 
     def release(self, slot: int) -> None:
+        if self.inner is not None:
+            self.inner.release(slot)
         self._traces.pop(slot, None)
         self._base_len.pop(slot, None)
 
     def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch:
+        # the inner drafter's work is the cost being modelled; its tokens are not used
+        paid = self.inner.propose(requests, greedy) if self.inner is not None else None
         tokens, forced = [], []
         for r in requests:
             # drafts stand for the generated tokens at context positions len(context) ..
             first_token = len(r.context) - self._base_len[r.slot]
             forced.append(self._traces[r.slot].num_accepted(first_token, r.num_draft))
             tokens.append([r.context[-1]] * r.num_draft)  # placeholders, never compared
-        return DraftBatch(tokens=tokens, forced_accept=forced)
+        if paid is None:
+            return DraftBatch(tokens=tokens, forced_accept=forced)
+        return DraftBatch(
+            tokens=tokens, forced_accept=forced, catchup_ms=paid.catchup_ms, extra=paid.extra
+        )
 
     def commit(self, slot: int, context: list[int], num_accepted: int, num_draft: int) -> None:
-        pass  # the trace is indexed by generated token, nothing moves per round
+        # The trace is indexed by generated token: nothing of it moves per round.
+        if self.inner is not None:
+            self.inner.commit(slot, context, num_accepted, num_draft)
