@@ -45,6 +45,11 @@ class EngineConfig:
         "", "acceptance profile JSON (only for --draft synthetic) and its cohort as FILE:COHORT"
     )
     allow_synthetic_draft: bool = _f(False, "permit --draft synthetic (benchmarks only)")
+    synthetic_cost_drafter: str = _f(
+        "none",
+        "with --draft synthetic: a real drafter run every round for its cost only, its proposals "
+        "discarded ('none', 'ngram', a draft model directory or 'random:NAME')",
+    )
     seed: int = _f(0, "base seed for sampling without a per-request seed")
 
     def replace(self, **changes) -> EngineConfig:
@@ -68,6 +73,8 @@ class EngineConfig:
             )
         if self.draft == "synthetic" and not self.acceptance_profile:
             raise ValueError("--draft synthetic needs --acceptance-profile FILE:COHORT")
+        if self.synthetic_cost_drafter in ("synthetic", "auto"):
+            raise ValueError("--synthetic-cost-drafter must be none, ngram or a draft model")
         if self.spec_mode == "spec" and self.draft == "none":
             raise ValueError("--spec-mode spec needs a drafter (--draft is 'none')")
 

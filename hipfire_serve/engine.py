@@ -153,11 +153,13 @@ class Engine:
         self.max_model_len = min(limit, self.target.config.max_position)
 
         draft_model = None
-        if draft_spec.startswith(RANDOM_PREFIX):
-            draft_model = self._random_model(draft_spec, seed=1)
-        elif draft_spec not in ("none", "ngram", "synthetic"):
+        # a synthetic drafter may run a draft model for its cost: that model is loaded here too
+        model_spec = config.synthetic_cost_drafter if draft_spec == "synthetic" else draft_spec
+        if model_spec.startswith(RANDOM_PREFIX):
+            draft_model = self._random_model(model_spec, seed=1)
+        elif model_spec not in ("none", "ngram", "synthetic"):
             draft_model = load_model(
-                draft_spec, dtype=str(self.target.dtype).split(".")[-1], device=self.device
+                model_spec, dtype=str(self.target.dtype).split(".")[-1], device=self.device
             )
             if draft_model.config.vocab_size != self.target.config.vocab_size:
                 raise ValueError(
@@ -263,8 +265,9 @@ class Engine:
         if spec == "synthetic":
             from executor.drafters.synthetic import SyntheticDrafter
 
+            inner = self._make_drafter(self.config.synthetic_cost_drafter, draft_model, num_blocks)
             path, _, cohort = self.config.acceptance_profile.rpartition(":")
-            return SyntheticDrafter(path, cohort, seed=self.config.seed)
+            return SyntheticDrafter(path, cohort, seed=self.config.seed, inner=inner)
         from executor.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(
