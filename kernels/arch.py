@@ -57,7 +57,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         lds_bytes=227 * 1024,
         attention=AttentionTiles(
             block_n=64, max_block_m=64, num_warps=4, num_warps_large=8, num_stages=2,
-            waves_per_eu=0, min_split_len=512, max_splits=32, programs_per_sm=4,
+            waves_per_eu=0, min_split_len=512, max_splits=32, programs_per_sm=2,
         ),
         row_warps=8,
         vocab_chunk=4096,
