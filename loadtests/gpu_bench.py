@@ -198,9 +198,11 @@ def summarize_steps(steps: Sequence[StepRecord], concurrency: int, run_s: float)
 
 def drive_refill(engine, prompts: Sequence[list[int]], concurrency: int, params):
     """Closed loop on the engine: `concurrency` requests at once, each finished one replaced at
-    once while prompts remain. Returns (step records, run seconds)."""
+    once while prompts remain. Returns (step records, run seconds, requests that failed)."""
     pending = deque(enumerate(prompts))
     steps: list[StepRecord] = []
+    num_failed = 0
+    engine.stats()  # drop round records left by earlier use: each step's record is its own
     t_start = time.perf_counter()
 
     def submit() -> None:
@@ -227,10 +229,11 @@ def drive_refill(engine, prompts: Sequence[list[int]], concurrency: int, params)
                 phase_s=dict(rs.phase_s) if rs else {},
             )
         )
-        for _ in range(sum(1 for r in outputs if r.finished)):
-            if pending:
+        for r in outputs:
+            num_failed += sum(o.finish_reason == "error" for o in r.outputs)
+            if r.finished and pending:
                 submit()
-    return steps, time.perf_counter() - t_start
+    return steps, time.perf_counter() - t_start, num_failed
 
 
 def make_prompts(cfg: BenchConfig, concurrency: int, vocab: int) -> list[list[int]]:
@@ -451,8 +454,9 @@ def run_point(engine, cfg, policy, drafter, cohort, concurrency, paths, model_in
     num_graphs = len(graphs.graphs) if graphs is not None else 0
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = make_prompts(cfg, concurrency, engine.target.config.vocab_size)
-    steps, run_s = drive_refill(engine, prompts, concurrency, params)
+    steps, run_s, num_failed = drive_refill(engine, prompts, concurrency, params)
     summary = summarize_steps(steps, concurrency, run_s)
+    summary["num_failed"] = num_failed  # rounds that raised fail their requests (engine log)
     rounds = [s for s in steps if s.route and s.measured_s > 0]
     stride = max(1, len(rounds) // 150)
     summary.update(
@@ -521,6 +525,8 @@ def run_grid(engine, cfg, paths, model_inner, deadline: float, log) -> tuple[lis
         durations[(kind, c)] = max(durations.get((kind, c), 0.0), time.perf_counter() - t0)
         runs.append(run)
         full = run["full_live_tok_s"]
+        if run["num_failed"]:
+            log(f"  {run['num_failed']} requests failed in this run (see the engine's log)")
         log(
             f"  rep {rep} {policy:<9} {drafter:<18} {cohort:<6} C={c:<4} "
             f"full-live {(f'{full:,.0f}' if full else '-'):>9} tok/s  refill "

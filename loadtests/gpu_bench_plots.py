@@ -79,7 +79,7 @@ def throughput_plot(record: dict, path: Path) -> None:
             ax.set_ylabel("full-live tokens/s" if row == 0 else "finite refill tokens/s")
             ax.set_title(f"{drafter} / {cohort}", fontsize=9)
             ax.grid(True, alpha=0.3, which="both")
-    axes[0][0].legend(fontsize=7)
+    _legend(axes[0][0], fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -119,7 +119,7 @@ def route_mix_plot(record: dict, path: Path) -> None:
         ax.set_ylabel("speculating share")
         ax.set_title(f"{drafter} / {cohort}", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    _legend(axes[0][0], fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -151,7 +151,7 @@ def predicted_plot(record: dict, path: Path) -> None:
     ax.set_ylabel("predicted round time (ms)")
     ax.set_title("Cost model: predicted vs measured (dotted: +-10%)")
     ax.grid(True, alpha=0.3, which="both")
-    ax.legend(fontsize=7, markerscale=3)
+    _legend(ax, fontsize=7, markerscale=3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -186,10 +186,15 @@ def roofline_plot(record: dict, path: Path) -> None:
     ax.set_ylabel("ms")
     ax.set_title("Executor round time against the roofline")
     ax.grid(True, alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _legend(ax, **kwargs) -> None:
+    if ax.get_legend_handles_labels()[0]:  # an empty run (all skipped) has nothing to name
+        ax.legend(**kwargs)
 
 
 def write_plots(record: dict, out: Path) -> list[Path]:

@@ -1,0 +1,365 @@
+"""`hipfire-serve bench` on the CPU: the arithmetic of a run's figures (full-live windows, refill,
+route mix), the policy comparison and targets, the synthetic drafter's cost wrapping, and the
+whole pipeline on the `--quick` preset (JSON structure, figures recomputed from the steps)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from executor.drafters.base import DraftBatch, DraftRequest
+from executor.drafters.synthetic import SyntheticDrafter
+from loadtests.gpu_bench import QUICK, StepRecord, grid_order, main, summarize_steps
+from loadtests.gpu_bench_report import (
+    check_targets,
+    compare_policies,
+    crossover_index,
+    spread,
+    summarize,
+)
+
+ACCEPTANCE = Path(__file__).resolve().parents[2] / "scheduler" / "profiles" / "acceptance.json"
+
+
+# -- one run's figures ------------------------------------------------------------------------
+def step(route, tokens, wall, rows=None, pred=0.0, meas=0.0, phases=None):
+    return StepRecord(
+        route=route,
+        num_rows=len(route) if rows is None else rows,
+        num_tokens=tokens,
+        wall_s=wall,
+        predicted_s=pred,
+        measured_s=meas,
+        phase_s=phases or {},
+    )
+
+
+def test_full_live_counts_only_rounds_with_every_slot_decoding():
+    steps = [
+        step("PP", 2, 0.50, rows=40),  # both prompts prefill: not full-live
+        step("AA", 2, 0.01, pred=0.010, meas=0.008, phases={"forward": 0.006, "draft": 0.0}),
+        step(
+            "SA", 6, 0.03, rows=9, pred=0.020, meas=0.025, phases={"forward": 0.02, "draft": 0.004}
+        ),
+        step("AP", 1, 0.20, rows=21),  # a successor prefills
+        step("A", 1, 0.01),  # one request left: not all C slots
+        step("", 0, 0.001),  # release-only step: no round
+    ]
+    s = summarize_steps(steps, concurrency=2, run_s=1.0)
+    assert s["full_live_rounds"] == 2
+    assert s["full_live_tokens"] == 8
+    assert s["full_live_tok_s"] == pytest.approx(8 / 0.04)
+    assert s["num_tokens"] == 12 and s["refill_tok_s"] == pytest.approx(12.0)
+    assert s["num_rounds"] == 5
+    assert s["route_mix"] == pytest.approx({"S": 1 / 9, "A": 5 / 9, "P": 3 / 9})
+    assert s["route_mix_full_live"] == pytest.approx({"S": 0.25, "A": 0.75})
+    assert s["mean_rows_full_live"] == pytest.approx(5.5)
+    assert s["pred_error"] == pytest.approx(np.mean([0.002 / 0.008, 0.005 / 0.025]))
+    assert s["host_share_full_live"] == pytest.approx(1 - 0.030 / 0.04)
+    assert s["phase_ms_full_live"]["forward"] == pytest.approx(13.0)
+    assert s["step_ms_full_live"] == pytest.approx(20.0)
+
+
+def test_a_run_without_full_live_rounds_has_no_full_live_figure():
+    steps = [step("P", 1, 0.1), step("SP", 3, 0.1), step("S", 4, 0.1)]
+    s = summarize_steps(steps, concurrency=2, run_s=0.5)
+    assert s["full_live_tok_s"] is None and s["full_live_rounds"] == 0
+    assert s["refill_tok_s"] == pytest.approx(16.0)
+    assert s["route_mix_full_live"] == {"S": 0.0, "A": 0.0}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rounds=st.lists(
+        st.tuples(st.text("APS", min_size=0, max_size=4), st.integers(0, 9), st.floats(1e-4, 1.0)),
+        max_size=30,
+    ),
+    concurrency=st.integers(1, 4),
+)
+def test_full_live_figure_is_a_ratio_of_the_selected_steps(rounds, concurrency):
+    steps = [step(r, t, w) for r, t, w in rounds]
+    s = summarize_steps(steps, concurrency, run_s=sum(w for _, _, w in rounds) + 1.0)
+    full = [(t, w) for r, t, w in rounds if len(r) == concurrency and "P" not in r]
+    assert s["full_live_rounds"] == len(full)
+    if full:
+        tokens, wall = sum(t for t, _ in full), sum(w for _, w in full)
+        assert s["full_live_tok_s"] == pytest.approx(tokens / wall)
+    else:
+        assert s["full_live_tok_s"] is None
+    for m in (s["route_mix"], s["route_mix_full_live"]):
+        assert sum(m.values()) == pytest.approx(1.0) or sum(m.values()) == 0.0
+
+
+# -- comparisons and targets ------------------------------------------------------------------
+def test_crossover_is_where_all_ar_overtakes_all_spec():
+    assert crossover_index([2.0, 1.5, 1.1, 0.8]) == 2  # 1.1 is nearer to 1 than 0.8
+    assert crossover_index([2.0, 1.5, 1.3, 0.95]) == 3
+    assert crossover_index([2.0, 1.5, 0.99]) == 2
+    assert crossover_index([0.9, 0.5]) == 0
+    assert crossover_index([2.0, 1.5]) is None
+
+
+def fake_row(policy, drafter, cohort, c, full, refill, sim=None):
+    return {
+        "policy": policy,
+        "drafter": drafter,
+        "cohort": cohort,
+        "concurrency": c,
+        "full_live_tok_s": spread([full]),
+        "refill_tok_s": spread([refill]),
+        "sim_error_full_live": None if sim is None or full is None else sim / full - 1,
+        "sim_error_refill": None if sim is None else sim / refill - 1,
+    }
+
+
+def test_adaptive_is_compared_with_the_better_fixed_policy_and_misses_are_listed():
+    rows = [
+        fake_row("all-ar", "-", "-", 1, 100.0, 90.0),
+        fake_row("all-ar", "-", "-", 8, 600.0, 500.0),
+        fake_row("all-ar", "-", "-", 64, 3000.0, 2000.0),
+        fake_row("all-spec", "d", "code", 1, 300.0, 250.0),
+        fake_row("all-spec", "d", "code", 8, 590.0, 480.0),
+        fake_row("all-spec", "d", "code", 64, None, 1500.0),  # no full-live round
+        fake_row("adaptive", "d", "code", 1, 297.0, 240.0, sim=330.0),
+        fake_row("adaptive", "d", "code", 8, 640.0, 520.0, sim=650.0),
+        fake_row("adaptive", "d", "code", 64, 3100.0, 1900.0),
+    ]
+    comps = compare_policies(rows, [("d", "code")], [1, 8, 64])
+    assert [p["metric"] for p in comps] == ["full_live_tok_s", "full_live_tok_s", "refill_tok_s"]
+    assert [p["vs_best"] for p in comps] == pytest.approx([0.99, 640 / 600, 1900 / 2000])
+    assert [p["crossover"] for p in comps] == [False, True, False]
+    targets = check_targets(comps, rows, roofline=[], idle={})
+    assert targets["adaptive_vs_best"]["status"] == "missed"
+    assert [p["concurrency"] for p in targets["adaptive_vs_best"]["misses"]] == [64]
+    assert targets["adaptive_at_crossover"]["status"] == "met"  # 640/600 and 640/590 >= 1.05
+    assert targets["roofline"]["status"] == "not measured"
+    sims = targets["simulator_errors"]
+    assert [round(s["error"], 4) for s in sims] == [
+        round(330 / 297 - 1, 4),
+        round(650 / 640 - 1, 4),
+    ]
+    assert targets["simulator"]["status"] == "missed"  # 330 vs 297 is 11% off
+
+
+def test_spread_ignores_missing_repeats():
+    assert spread([None, None]) is None
+    assert spread([3.0, None, 1.0]) == {"mean": 2.0, "min": 1.0, "max": 3.0, "n": 2}
+
+
+def test_grid_is_repeat_major_and_runs_all_ar_once_per_c():
+    order = grid_order(QUICK)
+    num_spec = len(QUICK.points()) * len(QUICK.concurrency) * 2  # adaptive, all-spec
+    assert len(order) == QUICK.repeats * (len(QUICK.concurrency) + num_spec)
+    assert [rep for rep, *_ in order] == sorted(rep for rep, *_ in order)
+    ar = [(rep, c) for rep, policy, _, _, c in order if policy == "all-ar"]
+    assert len(ar) == len(set(ar)) == QUICK.repeats * len(QUICK.concurrency)
+
+
+# -- the synthetic drafter paying a real drafter's cost ----------------------------------------
+class RecordingDrafter:
+    name = "recording"
+    has_probs = True
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def setup(self, slot, context):
+        self.calls.append(("setup", slot, len(context)))
+
+    def release(self, slot):
+        self.calls.append(("release", slot))
+
+    def propose(self, requests, greedy):
+        self.calls.append(("propose", [(r.slot, r.num_draft) for r in requests]))
+        return DraftBatch(tokens=[[7] * r.num_draft for r in requests], catchup_ms=1.5)
+
+    def commit(self, slot, context, num_accepted, num_draft):
+        self.calls.append(("commit", slot, num_accepted, num_draft))
+
+
+def test_synthetic_drafter_runs_its_inner_drafter_and_keeps_its_own_acceptance():
+    inner = RecordingDrafter()
+    paying = SyntheticDrafter(ACCEPTANCE, "mixed", seed=3, inner=inner)
+    free = SyntheticDrafter(ACCEPTANCE, "mixed", seed=3)
+    prompt = [5, 6, 7, 8]
+    for d in (paying, free):
+        d.setup(0, prompt)
+    context = [*prompt, 9]
+    for depth in (3, 5, 7):
+        reqs = [DraftRequest(0, context, depth)]
+        got, want = paying.propose(reqs, [True]), free.propose(reqs, [True])
+        assert got.forced_accept == want.forced_accept
+        assert got.tokens == want.tokens == [[9] * depth]  # placeholders, not the inner's
+        assert got.catchup_ms == 1.5 and got.probs is None
+        context += [9] * (got.forced_accept[0] + 1)
+        paying.commit(0, context, got.forced_accept[0], depth)
+    paying.release(0)
+    kinds = [c[0] for c in inner.calls]
+    assert kinds == ["setup"] + ["propose", "commit"] * 3 + ["release"]
+    assert inner.calls[2][2] == paying_accepted_first(free, prompt)
+    assert paying.model is None and not paying.has_probs
+
+
+def paying_accepted_first(drafter, prompt):
+    """The first round's accepted count of a fresh trace on the same prompt."""
+    fresh = SyntheticDrafter(ACCEPTANCE, "mixed", seed=3)
+    fresh.setup(0, prompt)
+    return fresh.propose([DraftRequest(0, [*prompt, 9], 3)], [True]).forced_accept[0]
+
+
+@pytest.mark.parametrize(
+    ("cost_drafter", "inner_name"), [("random:tiny", "draft-model"), ("ngram", "ngram")]
+)
+def test_engine_builds_the_cost_drafter_inside_the_synthetic_one(cost_drafter, inner_name):
+    from hipfire_serve.config import EngineConfig
+    from hipfire_serve.engine import Engine
+
+    engine = Engine(
+        EngineConfig(
+            model="random:tiny",
+            draft="synthetic",
+            allow_synthetic_draft=True,
+            synthetic_cost_drafter=cost_drafter,
+            acceptance_profile=f"{ACCEPTANCE}:code",
+            max_concurrency=2,
+            max_model_len=128,
+            kv_cache_memory="8MiB",
+            device="cpu",
+        )
+    )
+    assert engine.drafter.name == "synthetic"
+    assert engine.drafter.inner.name == inner_name
+    assert (engine.drafter.model is not None) == (inner_name == "draft-model")
+
+
+def test_a_synthetic_cost_drafter_must_be_a_real_one():
+    from hipfire_serve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="synthetic-cost-drafter"):
+        EngineConfig(synthetic_cost_drafter="synthetic").validate()
+
+
+# -- the whole pipeline on the quick preset ----------------------------------------------------
+@pytest.fixture(scope="module")
+def quick_record(tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["--quick", "--out", str(out)]) == 0
+    return json.loads((out / "gpu.json").read_text()), out
+
+
+def test_quick_run_writes_every_output(quick_record):
+    record, out = quick_record
+    names = ("gpu-throughput.png", "gpu-route-mix.png", "gpu-predicted.png", "gpu-roofline.png")
+    for name in ("gpu.md", *names):
+        assert (out / name).stat().st_size > 0
+    md = (out / "gpu.md").read_text()
+    assert "## Targets" in md and "## Adaptive against the fixed policies" in md
+    assert set(record["targets"]) >= {
+        "adaptive_vs_best",
+        "adaptive_at_crossover",
+        "roofline",
+        "gpu_idle_c64",
+        "simulator",
+    }
+    assert record["profile"]["target"]["rows_kv_ms"]
+    assert len(record["roofline"]) == len(record["profile"]["target"]["rows_kv_ms"])
+    assert record["skipped"] == []
+
+
+def test_quick_runs_recompute_from_their_steps(quick_record):
+    record, _ = quick_record
+    cfg = record["config"]
+    runs = record["runs"]
+    assert len(runs) == len(grid_order(QUICK))
+    for run in runs:
+        steps = [StepRecord(**s) for s in run["steps"]]
+        assert run["num_tokens"] == run["num_requests"] * cfg["max_tokens"]  # ignore_eos
+        assert run["num_requests"] == max(cfg["waves"] * run["concurrency"], cfg["min_requests"])
+        again = summarize_steps(steps, run["concurrency"], run["run_s"])
+        for key in ("full_live_tok_s", "refill_tok_s", "full_live_rounds", "route_mix"):
+            assert again[key] == pytest.approx(run[key])
+        if run["policy"] == "all-ar":
+            assert run["route_mix"]["S"] == 0.0
+        if run["policy"] == "all-spec":
+            assert run["route_mix"]["S"] > 0.0
+    assert sum(r["full_live_tok_s"] is not None for r in runs) > len(runs) // 2
+
+
+def test_quick_summary_averages_repeats_and_sits_beside_the_simulator(quick_record):
+    record, _ = quick_record
+    runs = record["runs"]
+    for row in record["summary"]:
+        key = (row["policy"], row["drafter"], row["cohort"], row["concurrency"])
+        mine = [
+            r for r in runs if (r["policy"], r["drafter"], r["cohort"], r["concurrency"]) == key
+        ]
+        assert row["num_repeats"] == len(mine)
+        if mine:
+            assert row["refill_tok_s"]["mean"] == pytest.approx(
+                np.mean([r["refill_tok_s"] for r in mine])
+            )
+            assert row["sim_error_refill"] == pytest.approx(
+                row["sim"]["refill_tok_s"] / row["refill_tok_s"]["mean"] - 1
+            )
+        assert row["sim"]["refill_tok_s"] > 0
+    sim_only = {r["policy"] for r in record["summary"] if r["num_repeats"] == 0}
+    assert sim_only == {"oracle"}
+    assert len(record["comparisons"]) == len(QUICK.points()) * len(QUICK.concurrency)
+
+
+def test_a_spent_time_budget_skips_runs_but_still_reports(tmp_path):
+    assert main(["--quick", "--out", str(tmp_path), "--time-budget-s", "0.001"]) == 0
+    record = json.loads((tmp_path / "gpu.json").read_text())
+    assert record["runs"] == [] and len(record["skipped"]) == len(grid_order(QUICK))
+    assert record["targets"]["adaptive_vs_best"]["status"] == "not measured"
+    assert "Skipped for the time budget" in (tmp_path / "gpu.md").read_text()
+
+
+def test_bad_flags_are_refused():
+    assert main(["--quick", "--out", "x", "--policies", "oracle"]) == 2
+    assert main(["--quick", "--out", "x", "--drafters", "random:tiny,random:qwen3-0.6b"]) == 2
+
+
+def test_summarize_keeps_simulator_only_points():
+    sims = {("oracle", "d", "code", 4): {"full_live_tok_s": 10.0, "refill_tok_s": 8.0}}
+    (row,) = summarize([], sims)
+    assert row["num_repeats"] == 0 and row["full_live_tok_s"] is None
+    assert row["sim_error_refill"] is None
+
+
+def test_roofline_rows_pair_each_profiled_round_with_its_ceiling_bound():
+    from hipfire_serve.config import EngineConfig
+    from hipfire_serve.engine import Engine
+    from loadtests.gpu_bench import roofline_curve
+
+    engine = Engine(
+        EngineConfig(
+            model="random:tiny",
+            draft="ngram",
+            max_concurrency=2,
+            max_model_len=128,
+            kv_cache_memory="8MiB",
+            device="cpu",
+        )
+    )
+    ceilings = {"copy_read_plus_write_TBps": 2e-6, "bf16_gemm_TFLOPs": 1e-6}
+    profile = {"ceilings": ceilings, "target": {"rows_kv_ms": [[1, 16, 2.0], [16, 48, 5.0]]}}
+    curve = roofline_curve(engine, profile)
+    # 16 rows on 2 slots are 2 speculative groups of 8 rows, each over 48 tokens of KV
+    assert [(r["rows"], r["seqs"]) for r in curve] == [(1, 1), (16, 2)]
+    cfg, params = engine.target.config, engine.target.num_params
+    elt = engine.target.weights.embed.element_size()
+    for r in curve:
+        kv_tokens = r["seqs"] * r["kv_len"]
+        bytes_ = params * elt + kv_tokens * cfg.kv_bytes_per_token(elt)
+        flops = 2 * params * r["rows"] + 4 * kv_tokens * cfg.q_size * cfg.num_layers
+        want_ms = max(bytes_ / 2e6, flops / 1e6) * 1e3
+        assert r["roofline_ms"] == pytest.approx(want_ms)
+        assert r["ratio"] == pytest.approx(r["round_ms"] / want_ms)
+    profile["ceilings"] = {}
+    assert all(r["roofline_ms"] is None for r in roofline_curve(engine, profile))
