@@ -466,6 +466,10 @@ def markdown_tables(record: dict) -> str:
             f"| {r['kernel']} | {r['ours_ms'] * 1e3:.1f} | {r['torch_ms'] * 1e3:.1f} "
             f"| {r['speedup']:.2f} |"
         )
+    # A sweep of this run, or of a separate --tune run kept in the record under "tune_run".
+    sweep = record.get("tune") or record.get("tune_run", {}).get("tune")
+    if sweep:
+        lines += ["", tune_table(sweep)]
     return "\n".join(lines)
 
 

@@ -23,6 +23,14 @@ def test_record_covers_the_grid_and_renders():
     assert table.count("\n|") >= len(shapes) + len(record["small_kernels"])
 
 
+def test_record_was_measured_with_the_committed_tiles():
+    # The published numbers must describe the table the code ships, not a tuning override.
+    record = json.loads(RECORD.read_text())
+    shipped = arch.FAMILY_CONFIGS[record["arch_family"]].attention
+    assert record["attention_tiles"] == dataclasses.asdict(shipped)
+    assert not record.get("tile_changes")
+
+
 def test_tile_override_edits_one_entry_and_restores():
     cpu = torch.device("cpu")
     before = arch.arch_config(cpu).attention
