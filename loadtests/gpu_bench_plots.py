@@ -27,6 +27,11 @@ def _rows_for(record: dict, policy: str, drafter: str, cohort: str) -> list[dict
     return sorted(rows, key=lambda r: r["concurrency"])
 
 
+def _colors(record: dict) -> dict[str, str]:
+    """One colour per policy, the same in every plot."""
+    return {p: f"C{i}" for i, p in enumerate(record["config"]["sim_policies"])}
+
+
 def _panels(record: dict) -> list[tuple[str, str]]:
     return [tuple(p) for p in record["config"]["points"]]
 
@@ -37,7 +42,7 @@ def throughput_plot(record: dict, path: Path) -> None:
     panels = _panels(record)
     fig, axes = plt.subplots(2, len(panels), figsize=(4.6 * len(panels), 7.5), squeeze=False)
     policies = list(record["config"]["policies"])
-    colors = {p: f"C{i}" for i, p in enumerate(record["config"]["sim_policies"])}
+    colors = _colors(record)
     for col, (drafter, cohort) in enumerate(panels):
         for row, metric in enumerate(("full_live_tok_s", "refill_tok_s")):
             ax = axes[row][col]
@@ -92,6 +97,7 @@ def route_mix_plot(record: dict, path: Path) -> None:
     policies = [p for p in record["config"]["policies"] if p != AR]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
     width = 0.8 / max(len(policies), 1)
+    colors = _colors(record)
     for col, (drafter, cohort) in enumerate(panels):
         ax = axes[0][col]
         concurrency = record["config"]["concurrency"]
@@ -104,7 +110,7 @@ def route_mix_plot(record: dict, path: Path) -> None:
                 decoding = mix.get("S", 0.0) + mix.get("A", 0.0)
                 shares.append(mix.get("S", 0.0) / decoding if decoding else float("nan"))
             xs = [j + (i - (len(policies) - 1) / 2) * width for j in range(len(concurrency))]
-            ax.bar(xs, shares, width=width, label=policy)
+            ax.bar(xs, shares, width=width, label=policy, color=colors.get(policy))
         sim = {r["concurrency"]: r["sim"] for r in _rows_for(record, "adaptive", drafter, cohort)}
         ys = [
             sim[c]["route_mix_full_live"].get("S", float("nan"))
@@ -137,7 +143,14 @@ def predicted_plot(record: dict, path: Path) -> None:
         pts = [p for p in pts if p[0] > 0 and p[1] > 0]
         if not pts:
             continue
-        ax.scatter([p[1] for p in pts], [p[0] for p in pts], s=5, alpha=0.5, label=policy)
+        ax.scatter(
+            [p[1] for p in pts],
+            [p[0] for p in pts],
+            s=5,
+            alpha=0.5,
+            label=policy,
+            color=_colors(record).get(policy),
+        )
         lo = min(lo, *(min(p[0], p[1]) for p in pts))
         hi = max(hi, *(max(p[0], p[1]) for p in pts))
     if hi > 0:
