@@ -12,8 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-AR = "all-ar"
-ANY = "-"
+from loadtests.gpu_bench_report import ANY, AR
 
 
 def _rows_for(record: dict, policy: str, drafter: str, cohort: str) -> list[dict]:

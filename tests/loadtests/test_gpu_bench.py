@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from executor.drafters.base import DraftBatch, DraftRequest
 from executor.drafters.synthetic import SyntheticDrafter
-from loadtests.gpu_bench import QUICK, StepRecord, grid_order, main, summarize_steps
+from loadtests.gpu_bench import QUICK, main
 from loadtests.gpu_bench_report import (
     check_targets,
     compare_policies,
@@ -22,6 +22,7 @@ from loadtests.gpu_bench_report import (
     spread,
     summarize,
 )
+from loadtests.gpu_bench_runs import StepRecord, grid_order, summarize_steps
 
 ACCEPTANCE = Path(__file__).resolve().parents[2] / "scheduler" / "profiles" / "acceptance.json"
 
@@ -335,7 +336,7 @@ def test_summarize_keeps_simulator_only_points():
 def test_roofline_rows_pair_each_profiled_round_with_its_ceiling_bound():
     from hipfire_serve.config import EngineConfig
     from hipfire_serve.engine import Engine
-    from loadtests.gpu_bench import roofline_curve
+    from loadtests.gpu_bench_measure import roofline_curve
 
     engine = Engine(
         EngineConfig(

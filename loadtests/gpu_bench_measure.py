@@ -1,0 +1,164 @@
+"""Measurements of `hipfire-serve bench` beside the runs (`loadtests/gpu_bench.py`): the cost
+profile of the engine, round time against the roofline, GPU idle in the engine loop, and the
+same workloads through the simulator."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from loadtests.gpu_bench_report import ANY, AR, mean_mix
+from loadtests.gpu_bench_runs import cost_inner, install, sim_workload
+
+if TYPE_CHECKING:
+    from loadtests.gpu_bench import BenchConfig
+
+
+# -- measurements -------------------------------------------------------------------------
+def measure_profile(engine, cfg: BenchConfig, tmp: Path) -> tuple[dict, dict[str, str]]:
+    """The cost profile of this engine and, per cost drafter, a profile file for the cost model
+    (a drafter without a model costs no device time in the cost model)."""
+    from executor.profiler import build_profile
+
+    profile = build_profile(engine, cfg.profile_rows, cfg.profile_kv_lens, cfg.profile_repeats)
+    paths = {}
+    for i, drafter in enumerate(cfg.drafters):
+        p = dict(profile)
+        if drafter != cfg.model_drafter:
+            p.pop("draft_model", None)
+        paths[drafter] = str(tmp / f"profile-{i}.json")
+        Path(paths[drafter]).write_text(json.dumps(p))
+    paths[ANY] = paths[cfg.drafters[0]]
+    return profile, paths
+
+
+def roofline_curve(engine, profile: dict) -> list[dict]:
+    """Every shape of the profile's grid next to its roofline (AR rows up to the slot count,
+    speculative groups past it, as the profiler builds them)."""
+    from loadtests.executor_bench import roofline_ms
+
+    ceilings = profile.get("ceilings") or {}
+    max_slots = engine.executor.max_slots
+    out = []
+    for rows, kv_len, ms in profile["target"]["rows_kv_ms"]:
+        per_seq = 1 if rows <= max_slots else -(-rows // max_slots)
+        num_seqs = -(-rows // per_seq)
+        roof = roofline_ms(engine, rows, num_seqs * kv_len, ceilings) if ceilings else None
+        out.append(
+            {
+                "rows": rows,
+                "kv_len": kv_len,
+                "seqs": num_seqs,
+                "round_ms": ms,
+                "roofline_ms": roof,
+                "ratio": ms / roof if roof else None,
+            }
+        )
+    return out
+
+
+def measure_idle(engine, cfg: BenchConfig, paths: dict, model_inner) -> dict:
+    """GPU idle in the engine loop at `idle_concurrency` decoding requests (torch profiler):
+    all-AR, and adaptive on the first cohort."""
+    from executor.drafters.synthetic import SyntheticDrafter
+    from loadtests.executor_bench import gpu_idle_fraction
+
+    if engine.device.type != "cuda" or cfg.idle_rounds <= 0:
+        return {}
+    drafter, cohort = cfg.points()[0]
+    out = {}
+    for policy in (AR, "adaptive"):
+        synth = SyntheticDrafter(
+            cfg.acceptance, cohort, cfg.seed, inner=cost_inner(engine, drafter, model_inner)
+        )
+        install(engine, cfg, cfg.idle_concurrency, policy, paths[drafter], synth)
+        out[policy] = gpu_idle_fraction(
+            engine, cfg.idle_concurrency, cfg.prompt_len, cfg.idle_rounds
+        )
+    return out
+
+
+# -- the simulator -------------------------------------------------------------------------
+def _sim_task(task: tuple) -> dict:
+    """One simulator run (module-level: runs in worker processes; imports no torch)."""
+    from scheduler.cost_model import ProfileCost
+    from scheduler.sim.acceptance_model import load_cohorts
+    from scheduler.sim.runner import SimSetup, Workload, run_sim
+
+    profile_path, acceptance, cohort, policy, c, workload, spec_depth, max_prefill, seed = task
+    result = run_sim(
+        ProfileCost.from_file(profile_path),
+        load_cohorts(acceptance)[cohort],
+        SimSetup(
+            policy=policy,
+            concurrency=c,
+            spec_depth=spec_depth,
+            seed=seed,
+            max_prefill_tokens=max_prefill,
+        ),
+        Workload(**workload),
+    )
+    return {
+        "full_live_tok_s": result.full_live_tok_s,
+        "refill_tok_s": result.refill_tok_s,
+        "route_mix_full_live": result.route_mix_full_live,
+        "route_mix": result.route_mix,
+        "pred_error": result.mean_abs_pred_error,
+    }
+
+
+def simulate(cfg: BenchConfig, paths: dict) -> dict[tuple, dict]:
+    """Every point through the simulator with the measured profile, `sim_seeds` seeds each
+    (acceptance draws differ between seeds; the figures are their mean)."""
+    keys = [(AR, ANY, ANY, c) for c in cfg.concurrency if AR in cfg.sim_policies]
+    keys += [
+        (p, d, co, c)
+        for d, co in cfg.points()
+        for c in cfg.concurrency
+        for p in cfg.sim_policies
+        if p != AR
+    ]
+    tasks = []
+    for policy, drafter, cohort, c in keys:
+        workload = dataclasses.asdict(sim_workload(cfg, c))
+        for s in range(cfg.sim_seeds):
+            tasks.append(
+                (
+                    paths[drafter],
+                    cfg.acceptance,
+                    cohort if cohort != ANY else cfg.points()[0][1],
+                    policy,
+                    c,
+                    workload,
+                    cfg.spec_depth,
+                    cfg.max_prefill_tokens,
+                    cfg.seed + s,
+                )
+            )
+    workers = cfg.workers or min(os.cpu_count() or 1, 16)
+    if workers == 1:
+        results = [_sim_task(t) for t in tasks]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn: the parent holds a CUDA context and torch threads, which fork must not copy
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            results = list(pool.map(_sim_task, tasks, chunksize=4))
+    out = {}
+    for i, key in enumerate(keys):
+        seeds = results[i * cfg.sim_seeds : (i + 1) * cfg.sim_seeds]
+        full = [r["full_live_tok_s"] for r in seeds if r["full_live_tok_s"] is not None]
+        out[key] = {
+            "full_live_tok_s": float(np.mean(full)) if len(full) == len(seeds) else None,
+            "refill_tok_s": float(np.mean([r["refill_tok_s"] for r in seeds])),
+            "route_mix_full_live": mean_mix([r["route_mix_full_live"] for r in seeds]),
+            "pred_error": float(np.mean([r["pred_error"] for r in seeds])),
+        }
+    return out
