@@ -18,21 +18,26 @@ from scheduler.acceptance import AcceptanceEstimator
 from scheduler.cost_model import CostModel
 from scheduler.depth_planner import FORCE_KEY, plan_depths
 
-# Hysteresis: a request's draft positions are valued at its survival x (1 + HYSTERESIS) while
-# it speculates and x (1 - HYSTERESIS) while it runs AR, so a switch needs a ~2*HYSTERESIS
-# better estimate than staying: enough to absorb estimates that move by a few per cent from
-# round to round near a break-even point, small against the gap between easy and hard states
-# (0.93 vs 0.55 acceptance on code-like text).
+# Hysteresis: while a request speculates its draft positions are valued at survival x
+# (1 + HYSTERESIS), so leaving speculation needs a 3% worse estimate than break-even: enough
+# to absorb estimates that move by a few per cent from round to round, small against the gap
+# between easy and hard states (0.93 vs 0.55 acceptance on code-like text). The way back in
+# has a natural hysteresis already: the drafter's catch-up on the tokens it missed. A penalty
+# on that side too kept most requests in AR at C = 128 in the simulator (incumbent AR plus
+# catch-up never paid), so it is one-sided.
 HYSTERESIS = 0.03
 # Minimum dwell: after a switch a request keeps its new mode for this many rounds, so that
 # switching to speculation yields at least one observation before it can be dropped again.
 # Arrivals and departures lift the dwell: the plan is re-made at once on a new cohort.
 MIN_DWELL_ROUNDS = 2
 # Catch-up amortisation (see amortized_lag): a speculating request emits a few tokens per
-# round (mean accepted lengths of about 2 to 5 in docs/perf/scheduler.md), and 8 rounds is a
-# horizon over which its acceptance estimate stays relevant.
+# round (mean accepted lengths of about 2 to 5 in docs/perf/scheduler.md), so its remaining
+# tokens / 4 estimates the rounds it can still speculate. Once caught up the drafter stays
+# caught up while the request speculates, so the whole horizon benefits; the cap of 64 rounds
+# keeps a long request from treating any catch-up as free. (A cap of 8 locked prose-like
+# requests out of speculation at C = 128 in the simulator: the one-off cost never paid.)
 TOKENS_PER_SPEC_ROUND = 4.0
-CATCHUP_HORIZON_ROUNDS = 8.0
+CATCHUP_HORIZON_ROUNDS = 64.0
 # EMA weight of one round in the rate bar: ~20 rounds, enough to average the luck of single
 # rounds, short enough to follow a change of regime (arrivals, drain) within a second or so.
 RATE_ALPHA = 0.05
@@ -162,9 +167,9 @@ class AdaptivePolicy:
         if n == 0 or view.max_drafts == 0 or not view.may_spec.any():
             return Decision(np.zeros(n, dtype=np.int64), "no request may speculate")
         survival = usable_survival(view, self.survival(view, estimator))  # [n, D]
-        # Hysteresis: the planner values a request's positions at survival x (1 + h) while it
-        # speculates and x (1 - h) while it runs AR, so switching needs a ~2h better estimate.
-        factor = np.where(view.was_spec, 1.0 + self.hysteresis, 1.0 - self.hysteresis)
+        # Hysteresis (one-sided, see HYSTERESIS): a speculating request's positions are worth
+        # survival x (1 + h) to the planner.
+        factor = np.where(view.was_spec, 1.0 + self.hysteresis, 1.0)
         value = survival * factor[:, None]  # [n, D]
         usable = survival > 0
         key = np.where(usable, value, -1.0)

@@ -277,7 +277,7 @@ class Scheduler:
             req.admit_seq = self._admit_seq
             self._admit_seq += 1
             req.admit_time = now
-            req.last_mode = Mode.AR
+            req.last_mode = Mode.PREFILL  # no decode decision yet
             req.mode_since_round = self._round_id
             req.drafter_lag = 0
             self.estimator.reset(req.slot)
@@ -445,7 +445,9 @@ class Scheduler:
             may_spec=table[:, 4] > 0,
             must_spec=table[:, 4] == 2,
             was_spec=table[:, 5] == Mode.SPEC,
-            in_dwell=self._round_id - table[:, 6] < cfg.min_dwell_rounds,
+            # a request's first decode round has no mode to hold on to yet
+            in_dwell=(self._round_id - table[:, 6] < cfg.min_dwell_rounds)
+            & (table[:, 5] != Mode.PREFILL),
             weights=weights,
             max_drafts=cfg.max_drafts,
             base_rows=base_rows,
@@ -487,7 +489,8 @@ class Scheduler:
                 kv.extend_to(req.req_id, req.num_computed + num_new)
             new_ids = kv.blocks_from(req.req_id, offset)
             if mode != req.last_mode:
-                self._num_switches += 1
+                if req.last_mode != Mode.PREFILL:  # the first decision is not a switch
+                    self._num_switches += 1
                 req.last_mode = mode
                 req.mode_since_round = self._round_id
             if d > 0:

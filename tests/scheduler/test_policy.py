@@ -6,8 +6,15 @@ import numpy as np
 
 from scheduler.acceptance import AcceptanceEstimator
 from scheduler.cost_model import CostModel
+from scheduler.depth_planner import plan_depths
 from scheduler.plan import Mode, SamplingSpec
-from scheduler.policy import HYSTERESIS, MIN_DWELL_ROUNDS, AdaptivePolicy, DecodeView
+from scheduler.policy import (
+    HYSTERESIS,
+    MIN_DWELL_ROUNDS,
+    AdaptivePolicy,
+    DecodeView,
+    amortized_lag,
+)
 from scheduler.request import RequestSpec
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sim.acceptance_model import AcceptanceClass
@@ -109,12 +116,12 @@ class _FixedSurvival(AdaptivePolicy):
         return self.next_survival
 
 
-def _view(was_spec, in_dwell, n=16):
+def _view(was_spec, in_dwell, n=16, lag=0):
     return DecodeView(
         req_ids=np.arange(n),
         slots=np.arange(n),
         num_remaining=np.full(n, 1000),
-        drafter_lag=np.zeros(n, dtype=np.int64),
+        drafter_lag=np.full(n, lag, dtype=np.int64),
         may_spec=np.ones(n, dtype=bool),
         must_spec=np.zeros(n, dtype=bool),
         was_spec=np.full(n, was_spec),
@@ -156,6 +163,29 @@ def test_hysteresis_and_dwell_stop_flapping_at_the_boundary():
 
     assert flips(plain) >= 15
     assert flips(_FixedSurvival(HYSTERESIS, MIN_DWELL_ROUNDS)) <= 1
+
+
+def test_catch_up_is_amortised_not_a_lock_out():
+    """After a long prefill the drafter must catch up on the whole context once; charged to a
+    single round that never pays, amortised over the request's future rounds it does."""
+    n, lag = 128, 400
+    policy = _FixedSurvival(0.0, 0)
+    policy.next_survival = np.cumprod(np.full((n, 7), 0.9), axis=1)
+    view = _view(False, False, n=n, lag=lag)
+    assert policy.decide(view, None, CostModel(PROFILE)).num_draft.any()
+    myopic = plan_depths(
+        policy.next_survival,
+        policy.next_survival,
+        np.ones(n),
+        view.drafter_lag,
+        CostModel(PROFILE),
+        n,
+        n * 1000,
+        float(n),
+        0,
+    )
+    assert not myopic.num_draft.any()
+    assert (amortized_lag(view) < lag).all()
 
 
 def test_estimator_learns_per_request():
