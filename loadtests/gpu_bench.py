@@ -43,7 +43,7 @@ from pathlib import Path
 
 from loadtests import gpu_bench_report as report
 from loadtests.gpu_bench_measure import measure_idle, measure_profile, roofline_curve, simulate
-from loadtests.gpu_bench_runs import build_engine, run_grid, warm_graphs
+from loadtests.gpu_bench_runs import build_engine, recover, run_grid, warm_graphs
 
 PROFILES = Path(__file__).resolve().parents[1] / "scheduler" / "profiles"
 REAL_POLICIES = ("adaptive", "all-ar", "all-spec", "threshold", "goodput", "sticky", "survival")
@@ -243,12 +243,23 @@ def main(argv: list[str] | None = None) -> int:
         profile, paths = measure_profile(engine, cfg, Path(tmp))
         log(f"profile measured: ceilings {profile.get('ceilings') or 'none (no GPU)'}")
         roofline = roofline_curve(engine, profile)
-        num_graphs = warm_graphs(engine, cfg)
-        log(f"{num_graphs} decode graphs captured ahead of the runs")
-        idle = measure_idle(engine, cfg, paths, model_inner)
+        notes = []  # steps that failed without stopping the benchmark
+        try:
+            log(f"{warm_graphs(engine, cfg)} decode graphs captured ahead of the runs")
+        except Exception as e:  # the runs capture lazily instead
+            notes.append(f"graph warm-up failed: {e!r}")
+        try:
+            idle = measure_idle(engine, cfg, paths, model_inner)
+        except Exception as e:
+            idle = {}
+            notes.append(f"GPU idle measurement failed: {e!r}")
+            if not recover(engine):
+                notes.append("the engine could not be drained after it")
         if idle:
             fractions = {k: round(v["gpu_idle_fraction"], 3) for k, v in idle.items()}
             log(f"GPU idle at C={cfg.idle_concurrency}: {fractions}")
+        for note in notes:
+            log(note)
         runs, skipped = run_grid(engine, cfg, paths, model_inner, deadline, log)
         log(f"{len(runs)} runs done, {len(skipped)} skipped; simulating")
         sims = simulate(cfg, paths)
@@ -270,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "runs": runs,
         "skipped": skipped,
+        "notes": notes,
         "elapsed_s": time.perf_counter() - t_start,
     }
     print(report.comparison_table(comparisons))

@@ -74,7 +74,7 @@ def measure_idle(engine, cfg: BenchConfig, paths: dict, model_inner) -> dict:
     out = {}
     for policy in (AR, "adaptive"):
         synth = SyntheticDrafter(
-            cfg.acceptance, cohort, cfg.seed, inner=cost_inner(engine, drafter, model_inner)
+            cfg.acceptance, cohort, cfg.seed, inner=cost_inner(drafter, model_inner)
         )
         install(engine, cfg, cfg.idle_concurrency, policy, paths[drafter], synth)
         out[policy] = gpu_idle_fraction(

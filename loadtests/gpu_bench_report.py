@@ -397,6 +397,8 @@ def markdown(record: dict) -> str:
             f"(read + write), bf16 GEMM {ceil['bf16_gemm_TFLOPs']} TFLOP/s.",
             "",
         ]
+    if record.get("notes"):
+        lines += [*(f"Note: {n}" for n in record["notes"]), ""]
     lines += ["## Targets", "", *_target_lines(record["targets"]), ""]
     lines += [
         "## Adaptive against the fixed policies",
@@ -466,10 +468,10 @@ def markdown(record: dict) -> str:
             )
         )
     if record["skipped"]:
-        lines += ["", f"## Skipped for the time budget ({cfg['time_budget_s']:.0f} s)", ""]
+        lines += ["", f"## Runs not made (time budget {cfg['time_budget_s']:.0f} s)", ""]
         lines += [
             f"- repeat {s['repeat']}: {s['policy']} {s['drafter']} {s['cohort']} "
-            f"C={s['concurrency']}"
+            f"C={s['concurrency']}: {s['reason']}"
             for s in record["skipped"]
         ]
     lines += [

@@ -175,7 +175,7 @@ def build_engine(cfg: BenchConfig):
     )
 
 
-def cost_inner(engine, drafter: str, model_inner):
+def cost_inner(drafter: str, model_inner):
     """The real drafter a synthetic drafter runs for its cost."""
     if drafter == "ngram":
         from executor.drafters.ngram import NgramDrafter
@@ -270,7 +270,7 @@ def run_point(engine, cfg, policy, drafter, cohort, concurrency, paths, model_in
         cfg.acceptance,
         cohort if cohort != ANY else cfg.points()[0][1],
         cfg.seed,
-        inner=cost_inner(engine, drafter, model_inner) if drafter != ANY else None,
+        inner=cost_inner(drafter, model_inner) if drafter != ANY else None,
     )
     install(engine, cfg, concurrency, policy, paths[drafter], synth)
     graphs = engine.executor.graphs
@@ -319,7 +319,8 @@ def grid_order(cfg: BenchConfig) -> list[tuple[int, str, str, str, int]]:
 
 def estimate_s(durations: dict, policy: str, concurrency: int) -> float:
     """Expected seconds of a run from the ones done: the same (policy kind, C), else the
-    same C, else twice the largest smaller C (prefill work grows about linearly with C)."""
+    same C, else the largest smaller C scaled by the ratio of the Cs (the prefill work of a
+    run grows about linearly with C)."""
     kind = "ar" if policy == AR else "spec"
     if (kind, concurrency) in durations:
         return durations[(kind, concurrency)]
@@ -333,17 +334,41 @@ def estimate_s(durations: dict, policy: str, concurrency: int) -> float:
     return 0.0
 
 
+def recover(engine, max_steps: int = 1000) -> bool:
+    """Aborts whatever a failed run left in the engine and drains it; False if it cannot."""
+    try:
+        for request_id in list(engine._requests):
+            engine.abort(request_id)
+        for _ in range(max_steps):
+            if not engine.has_unfinished():
+                return True
+            engine.step()
+    except Exception:
+        return False
+    return not engine.has_unfinished()
+
+
 def run_grid(engine, cfg, paths, model_inner, deadline: float, log) -> tuple[list, list]:
+    """Runs the grid in order; a run that would pass the deadline is skipped, one that raises
+    is recorded and the engine recovered, so one bad point does not lose the others."""
     runs, skipped = [], []
     durations: dict[tuple[str, int], float] = {}
+    broken = False
     for rep, policy, drafter, cohort, c in grid_order(cfg):
         key = (rep, policy, drafter, cohort, c)
+        point = dict(zip(("repeat", "policy", "drafter", "cohort", "concurrency"), key))
         kind = "ar" if policy == AR else "spec"
-        if time.perf_counter() + estimate_s(durations, policy, c) > deadline:
-            skipped.append(dict(zip(("repeat", "policy", "drafter", "cohort", "concurrency"), key)))
+        if broken or time.perf_counter() + estimate_s(durations, policy, c) > deadline:
+            skipped.append({**point, "reason": "engine unusable" if broken else "time budget"})
             continue
         t0 = time.perf_counter()
-        run = run_point(engine, cfg, policy, drafter, cohort, c, paths, model_inner)
+        try:
+            run = run_point(engine, cfg, policy, drafter, cohort, c, paths, model_inner)
+        except Exception as e:
+            log(f"  rep {rep} {policy} {drafter} {cohort} C={c} failed: {e!r}")
+            skipped.append({**point, "reason": f"failed: {e!r}"[:300]})
+            broken = not recover(engine)
+            continue
         run["repeat"] = rep
         durations[(kind, c)] = max(durations.get((kind, c), 0.0), time.perf_counter() - t0)
         runs.append(run)

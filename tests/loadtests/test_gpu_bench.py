@@ -318,7 +318,8 @@ def test_a_spent_time_budget_skips_runs_but_still_reports(tmp_path):
     record = json.loads((tmp_path / "gpu.json").read_text())
     assert record["runs"] == [] and len(record["skipped"]) == len(grid_order(QUICK))
     assert record["targets"]["adaptive_vs_best"]["status"] == "not measured"
-    assert "Skipped for the time budget" in (tmp_path / "gpu.md").read_text()
+    assert "Runs not made" in (tmp_path / "gpu.md").read_text()
+    assert {s["reason"] for s in record["skipped"]} == {"time budget"}
 
 
 def test_bad_flags_are_refused():
@@ -364,3 +365,28 @@ def test_roofline_rows_pair_each_profiled_round_with_its_ceiling_bound():
         assert r["ratio"] == pytest.approx(r["round_ms"] / want_ms)
     profile["ceilings"] = {}
     assert all(r["roofline_ms"] is None for r in roofline_curve(engine, profile))
+
+
+def test_a_run_that_raises_is_recorded_and_the_engine_recovered(tmp_path, monkeypatch):
+    from loadtests import gpu_bench_runs
+
+    original = gpu_bench_runs.drive_refill
+    calls = []
+
+    def failing_once(engine, prompts, concurrency, params):
+        calls.append(concurrency)
+        if len(calls) == 2:  # leave requests in flight, then fail
+            for i, prompt in enumerate(prompts[:concurrency]):
+                engine.add_request(f"doomed-{i}", prompt, params)
+            engine.step()
+            raise RuntimeError("injected")
+        return original(engine, prompts, concurrency, params)
+
+    monkeypatch.setattr(gpu_bench_runs, "drive_refill", failing_once)
+    assert main(["--quick", "--out", str(tmp_path), "--repeats", "1", "--sim-seeds", "1"]) == 0
+    record = json.loads((tmp_path / "gpu.json").read_text())
+    (failed,) = record["skipped"]
+    assert failed["reason"].startswith("failed: RuntimeError('injected')")
+    assert len(record["runs"]) == len(calls) - 1
+    for run in record["runs"]:
+        assert run["num_tokens"] == run["num_requests"] * record["config"]["max_tokens"]
