@@ -251,13 +251,14 @@ def warm_graphs(engine, cfg: BenchConfig) -> int:
     q_lens = [1 << i for i in range(max(cfg.spec_depth - 1, 0).bit_length() + 1)]
     before = len(graphs.graphs)
     buckets = sorted(b for b in cfg.profile_rows if b <= graphs.max_rows)
-    # all-AR rounds have at most max(C) rows: their bucket is the first profiled row count
-    # that holds them
-    ar_top = next((b for b in buckets if b >= max(cfg.concurrency)), buckets[-1] if buckets else 0)
-    for bucket in buckets:
-        for width in widths:
-            for q in q_lens:
-                if (q == 1 and bucket <= ar_top) or (1 < q <= bucket):
+    max_c = max(cfg.concurrency)
+    for q in q_lens:
+        # rounds whose longest group has q rows have at most max(C) * q rows; the cost model
+        # pads them to the first profiled row count that holds them
+        top = next((b for b in buckets if b >= max_c * q), buckets[-1] if buckets else 0)
+        for bucket in buckets:
+            if q <= bucket <= top:
+                for width in widths:
                     graphs.capture(bucket, width, q)
     return len(graphs.graphs) - before
 

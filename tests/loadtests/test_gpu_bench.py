@@ -390,3 +390,66 @@ def test_a_run_that_raises_is_recorded_and_the_engine_recovered(tmp_path, monkey
     assert len(record["runs"]) == len(calls) - 1
     for run in record["runs"]:
         assert run["num_tokens"] == run["num_requests"] * record["config"]["max_tokens"]
+
+
+def test_report_shows_gpu_only_sections_when_they_were_measured(quick_record, tmp_path):
+    from loadtests import gpu_bench_plots
+    from loadtests.gpu_bench_report import markdown
+
+    record = dict(quick_record[0])
+    record["roofline"] = [
+        {"rows": r, "seqs": r, "kv_len": 512, "round_ms": 5.0 + r, "roofline_ms": 4.0 + r,
+         "ratio": (5.0 + r) / (4.0 + r)}
+        for r in (1, 8, 64)
+    ]  # fmt: skip
+    record["idle"] = {
+        "all-ar": {"wall_ms_per_round": 9.0, "gpu_busy_ms_per_round": 7.02,
+                   "gpu_idle_fraction": 0.22}
+    }  # fmt: skip
+    record["profile"] = {**record["profile"], "ceilings": {
+        "copy_read_plus_write_TBps": 4.2, "bf16_gemm_TFLOPs": 780.0}}  # fmt: skip
+    md = markdown(record)
+    assert "## Round time against the roofline" in md and "| 64 | 64 | 512 |" in md
+    assert "| all-ar | 9.000 | 7.020 | 22.0% |" in md
+    assert "copy 4.2 TB/s" in md
+    gpu_bench_plots.roofline_plot(record, tmp_path / "roof.png")
+    assert (tmp_path / "roof.png").stat().st_size > 0
+
+
+class FakeGraphs:
+    """Records captures; block-table widths as the real graphs compute them."""
+
+    max_rows = 1024
+    max_blocks_per_seq = 512
+
+    def __init__(self):
+        self.graphs = {}
+
+    def width_for(self, num_blocks):
+        from executor.graphs import DecodeGraphs
+
+        return DecodeGraphs.width_for(self, num_blocks)
+
+    def capture(self, bucket, width, max_q_len=1):
+        self.graphs[(bucket, width, max_q_len)] = None
+
+
+def test_graph_warm_up_covers_the_shapes_the_runs_replay():
+    from types import SimpleNamespace
+
+    from loadtests.gpu_bench import BenchConfig
+    from loadtests.gpu_bench_runs import warm_graphs
+
+    graphs = FakeGraphs()
+    engine = SimpleNamespace(
+        executor=SimpleNamespace(graphs=graphs), config=SimpleNamespace(block_size=16)
+    )
+    assert warm_graphs(engine, BenchConfig()) == len(graphs.graphs) == 84
+    # contexts of 512 .. 1672 tokens: 32 .. 105 blocks, widths 64 and 128
+    assert {w for _, w, _ in graphs.graphs} == {64, 128}
+    # all-AR rounds of up to 128 rows; full-depth rounds of 128 requests x 8 rows
+    assert max(b for b, _, q in graphs.graphs if q == 1) == 128
+    assert max(b for b, _, q in graphs.graphs if q == 8) == 1024
+    assert all(b >= q for b, _, q in graphs.graphs)
+    no_graphs = SimpleNamespace(executor=SimpleNamespace(graphs=None))
+    assert warm_graphs(no_graphs, BenchConfig()) == 0
