@@ -42,7 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtests import gpu_bench_report as report
-from loadtests.gpu_bench_measure import measure_idle, measure_profile, roofline_curve, simulate
+from loadtests.gpu_bench_measure import (
+    add_round_phases,
+    measure_idle,
+    measure_profile,
+    roofline_curve,
+    simulate,
+)
 from loadtests.gpu_bench_runs import build_engine, recover, run_grid, warm_graphs
 
 PROFILES = Path(__file__).resolve().parents[1] / "scheduler" / "profiles"
@@ -244,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"profile measured: ceilings {profile.get('ceilings') or 'none (no GPU)'}")
         roofline = roofline_curve(engine, profile)
         notes = []  # steps that failed without stopping the benchmark
+        try:
+            log(f"{add_round_phases(engine, cfg, roofline)} shapes over 1.3 x roofline re-timed")
+        except Exception as e:
+            notes.append(f"phase timing of the roofline misses failed: {e!r}")
         try:
             log(f"{warm_graphs(engine, cfg)} decode graphs captured ahead of the runs")
         except Exception as e:  # the runs capture lazily instead

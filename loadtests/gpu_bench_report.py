@@ -426,12 +426,15 @@ def markdown(record: dict) -> str:
             "",
             "Whole `RoundExecutor.run` rounds of the profile grid (AR rows up to the slot "
             "count, speculative groups past it). Roofline = max(bytes / copy BW, FLOPs / "
-            "GEMM rate), bytes = weights + KV read.",
+            "GEMM rate), bytes = weights + KV read. Shapes over 1.3 x were timed again phase "
+            "by phase (median ms): the target forward (device time) against the host's build, "
+            "acceptance and commit.",
             "",
         ]
+        phases = ("forward", "build", "accept", "commit")
         lines.append(
             _md_table(
-                ["rows", "seqs", "KV per seq", "round ms", "roofline ms", "ratio"],
+                ["rows", "seqs", "KV per seq", "round ms", "roofline ms", "ratio", *phases],
                 [
                     [
                         str(r["rows"]),
@@ -440,6 +443,7 @@ def markdown(record: dict) -> str:
                         f"{r['round_ms']:.3f}",
                         f"{r['roofline_ms']:.3f}",
                         f"{r['ratio']:.2f}",
+                        *(fmt(r.get("phases_ms", {}).get(n), 3) for n in phases),
                     ]
                     for r in roof
                 ],

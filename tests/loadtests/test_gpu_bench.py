@@ -337,7 +337,7 @@ def test_summarize_keeps_simulator_only_points():
 def test_roofline_rows_pair_each_profiled_round_with_its_ceiling_bound():
     from hipfire_serve.config import EngineConfig
     from hipfire_serve.engine import Engine
-    from loadtests.gpu_bench_measure import roofline_curve
+    from loadtests.gpu_bench_measure import add_round_phases, roofline_curve
 
     engine = Engine(
         EngineConfig(
@@ -365,6 +365,16 @@ def test_roofline_rows_pair_each_profiled_round_with_its_ceiling_bound():
         assert r["ratio"] == pytest.approx(r["round_ms"] / want_ms)
     profile["ceilings"] = {}
     assert all(r["roofline_ms"] is None for r in roofline_curve(engine, profile))
+    # shapes over 1.3 x their roofline get a phase profile
+    curve = [
+        {"rows": 4, "kv_len": 16, "ratio": 2.0},  # two speculative groups of 2 rows
+        {"rows": 1, "kv_len": 16, "ratio": 1.1},
+        {"rows": 1, "kv_len": 16, "ratio": None},
+    ]
+    assert add_round_phases(engine, QUICK, curve) == 1
+    assert set(curve[0]["phases_ms"]) == {"build", "draft", "forward", "accept", "commit"}
+    assert curve[0]["phases_ms"]["forward"] > 0
+    assert "phases_ms" not in curve[1] and "phases_ms" not in curve[2]
 
 
 def test_a_run_that_raises_is_recorded_and_the_engine_recovered(tmp_path, monkeypatch):
@@ -410,6 +420,7 @@ def test_report_shows_gpu_only_sections_when_they_were_measured(quick_record, tm
         "copy_read_plus_write_TBps": 4.2, "bf16_gemm_TFLOPs": 780.0}}  # fmt: skip
     md = markdown(record)
     assert "## Round time against the roofline" in md and "| 64 | 64 | 512 |" in md
+    assert "| 1.20 | - | - | - | - |" in md  # 6 / 5 ms: within 1.3 x, not re-timed
     assert "| all-ar | 9.000 | 7.020 | 22.0% |" in md
     assert "copy 4.2 TB/s" in md
     gpu_bench_plots.roofline_plot(record, tmp_path / "roof.png")
