@@ -125,6 +125,7 @@ def _sim_task(task: tuple) -> dict:
         "route_mix_full_live": result.route_mix_full_live,
         "route_mix": result.route_mix,
         "pred_error": result.mean_abs_pred_error,
+        "mean_accepted_len": result.mean_accepted_len,
     }
 
 
@@ -175,6 +176,12 @@ def simulate(cfg: BenchConfig, paths: dict) -> dict[tuple, dict]:
             "full_live_tok_s": float(np.mean(full)) if len(full) == len(seeds) else None,
             "refill_tok_s": float(np.mean([r["refill_tok_s"] for r in seeds])),
             "route_mix_full_live": mean_mix([r["route_mix_full_live"] for r in seeds]),
+            "mean_accepted_len": _mean_or_none([r["mean_accepted_len"] for r in seeds]),
             "pred_error": float(np.mean([r["pred_error"] for r in seeds])),
         }
     return out
+
+
+def _mean_or_none(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None

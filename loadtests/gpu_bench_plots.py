@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from loadtests.gpu_bench_report import ANY, AR
+from loadtests.gpu_bench_report import ANY, AR, decode_mix, spec_share
 
 
 def _rows_for(record: dict, policy: str, drafter: str, cohort: str) -> list[dict]:
@@ -105,9 +105,9 @@ def route_mix_plot(record: dict, path: Path) -> None:
             shares = []
             for c in concurrency:
                 r = by_c.get(c)
-                mix = (r["route_mix_full_live"] or r["route_mix"]) if r and r["num_repeats"] else {}
-                decoding = mix.get("S", 0.0) + mix.get("A", 0.0)
-                shares.append(mix.get("S", 0.0) / decoding if decoding else float("nan"))
+                mix = decode_mix(r) if r and r["num_repeats"] else {}
+                share = spec_share(mix)
+                shares.append(float("nan") if share is None else share)
             xs = [j + (i - (len(policies) - 1) / 2) * width for j in range(len(concurrency))]
             ax.bar(xs, shares, width=width, label=policy, color=colors.get(policy))
         sim = {r["concurrency"]: r["sim"] for r in _rows_for(record, "adaptive", drafter, cohort)}

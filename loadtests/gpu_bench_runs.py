@@ -31,6 +31,7 @@ class StepRecord:
     predicted_s: float = 0.0  # the plan's predicted round time
     measured_s: float = 0.0  # the executor's run
     phase_s: dict[str, float] = field(default_factory=dict)
+    num_accepted: int = 0  # accepted drafts of all speculating requests of the round
 
 
 def mix(counts: dict[str, int]) -> dict[str, float]:
@@ -72,6 +73,12 @@ def summarize_steps(steps: Sequence[StepRecord], concurrency: int, run_s: float)
         "route_mix": mix(letters),
         "route_mix_full_live": mix(letters_full),
         "mean_rows_full_live": sum(s.num_rows for s in full) / len(full) if full else None,
+        # tokens per speculating request-round (1 + accepted drafts), the simulator's measure
+        "mean_accepted_len": (
+            (letters["S"] + sum(s.num_accepted for s in rounds)) / letters["S"]
+            if letters["S"]
+            else None
+        ),
         "pred_error": (
             float(np.mean([abs(s.predicted_s - s.measured_s) / s.measured_s for s in timed]))
             if timed
@@ -114,6 +121,7 @@ def drive_refill(engine, prompts: Sequence[list[int]], concurrency: int, params)
                 predicted_s=rs.predicted_s if rs else 0.0,
                 measured_s=rs.measured_s if rs else 0.0,
                 phase_s=dict(rs.phase_s) if rs else {},
+                num_accepted=sum(rs.accepted_per_pos) if rs else 0,
             )
         )
         for r in outputs:
