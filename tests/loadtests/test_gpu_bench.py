@@ -28,7 +28,7 @@ ACCEPTANCE = Path(__file__).resolve().parents[2] / "scheduler" / "profiles" / "a
 
 
 # -- one run's figures ------------------------------------------------------------------------
-def step(route, tokens, wall, rows=None, pred=0.0, meas=0.0, phases=None):
+def step(route, tokens, wall, rows=None, pred=0.0, meas=0.0, phases=None, accepted=0):
     return StepRecord(
         route=route,
         num_rows=len(route) if rows is None else rows,
@@ -37,6 +37,7 @@ def step(route, tokens, wall, rows=None, pred=0.0, meas=0.0, phases=None):
         predicted_s=pred,
         measured_s=meas,
         phase_s=phases or {},
+        num_accepted=accepted,
     )
 
 
@@ -44,9 +45,7 @@ def test_full_live_counts_only_rounds_with_every_slot_decoding():
     steps = [
         step("PP", 2, 0.50, rows=40),  # both prompts prefill: not full-live
         step("AA", 2, 0.01, pred=0.010, meas=0.008, phases={"forward": 0.006, "draft": 0.0}),
-        step(
-            "SA", 6, 0.03, rows=9, pred=0.020, meas=0.025, phases={"forward": 0.02, "draft": 0.004}
-        ),
+        step("SA", 6, 0.03, 9, 0.020, 0.025, {"forward": 0.02, "draft": 0.004}, accepted=4),
         step("AP", 1, 0.20, rows=21),  # a successor prefills
         step("A", 1, 0.01),  # one request left: not all C slots
         step("", 0, 0.001),  # release-only step: no round
@@ -64,6 +63,7 @@ def test_full_live_counts_only_rounds_with_every_slot_decoding():
     assert s["host_share_full_live"] == pytest.approx(1 - 0.030 / 0.04)
     assert s["phase_ms_full_live"]["forward"] == pytest.approx(13.0)
     assert s["step_ms_full_live"] == pytest.approx(20.0)
+    assert s["mean_accepted_len"] == pytest.approx(5.0)  # one spec request-round, 4 accepted
 
 
 def test_a_run_without_full_live_rounds_has_no_full_live_figure():
@@ -282,7 +282,14 @@ def test_quick_runs_recompute_from_their_steps(quick_record):
         assert run["num_tokens"] == run["num_requests"] * cfg["max_tokens"]  # ignore_eos
         assert run["num_requests"] == max(cfg["waves"] * run["concurrency"], cfg["min_requests"])
         again = summarize_steps(steps, run["concurrency"], run["run_s"])
-        for key in ("full_live_tok_s", "refill_tok_s", "full_live_rounds", "route_mix"):
+        keys = (
+            "full_live_tok_s",
+            "refill_tok_s",
+            "full_live_rounds",
+            "route_mix",
+            "mean_accepted_len",
+        )
+        for key in keys:
             assert again[key] == pytest.approx(run[key])
         if run["policy"] == "all-ar":
             assert run["route_mix"]["S"] == 0.0
