@@ -205,11 +205,11 @@ class HttpSide:
                "--port", "0", "--log-level", "warning", "--engine-loop", engine_loop,
                "--stream-interval", str(stream_interval)]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(args.torch_threads)}
-        # Own session: pausing the process group freezes an engine child process too.
+        # Same session as the direct side: with autogroup scheduling, Linux shares CPU between
+        # sessions, so a server in a session of its own would be scheduled differently.
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            start_new_session=True,
-        )  # fmt: skip
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
         self.engine_loop = engine_loop
         self.url = None
         while self.url is None:
@@ -241,17 +241,22 @@ class HttpSide:
                 loop_s = cpu_s
             else:
                 others.append(cpu_s)
-        if self.engine_loop == "process":
-            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-            for child in children.split():
-                others.append(sum(_thread_cpu(int(child)).values()))
+        for child in self._children():
+            others.append(sum(_thread_cpu(child).values()))
         return loop_s, max(others)
 
+    def _children(self) -> list[int]:
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(c) for c in path.read_text().split()]
+
     def pause(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGSTOP)  # the clients then wait on their sockets
+        # The server and an engine child process; the clients then wait on their sockets.
+        for pid in (self.proc.pid, *self._children()):
+            os.kill(pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGCONT)
+        for pid in (self.proc.pid, *self._children()):
+            os.kill(pid, signal.SIGCONT)
 
     async def read(self) -> tuple[int, int, int]:
         reader, writer = await asyncio.open_connection(*self.url.removeprefix("http://").split(":"))
@@ -353,6 +358,7 @@ def summarize(windows: list[Window]) -> dict:
             "median_engine_cpu_ms_per_round": _median(
                 [1e3 * w.engine_cpu_s / max(w.rounds, 1) for w in of("direct")]
             ),
+            "median_engine_cores": _median([w.engine_cpu_s / w.seconds for w in of("direct")]),
         },
     }
     for side in sorted({w.side for w in windows} - {"direct"}):
@@ -370,6 +376,8 @@ def summarize(windows: list[Window]) -> dict:
             "median_engine_cpu_ms_per_round": _median(
                 [1e3 * w.engine_cpu_s / max(w.rounds, 1) for w in ws]
             ),
+            # CPU the engine got per second of wall time: rounds/s = cores / (s per round)
+            "median_engine_cores": _median([w.engine_cpu_s / w.seconds for w in ws]),
         }
     return out
 
@@ -409,7 +417,8 @@ def write_report(out: Path, args, model_desc: str, runs: dict[str, list[Window]]
         d = s["direct"]
         rows.append(
             f"| `{mode}` | direct | {d['median_rounds_per_s']:.1f} | | "
-            f"{d['median_rows_per_round']:.1f} | - / {d['median_engine_cpu_ms_per_round']:.2f} |"
+            f"{d['median_rows_per_round']:.1f} | - / {d['median_engine_cpu_ms_per_round']:.2f} | "
+            f"{d['median_engine_cores']:.2f} |"
         )
         for side in sorted(k for k in s if k.startswith("http-")):
             h = s[side]
@@ -417,8 +426,9 @@ def write_report(out: Path, args, model_desc: str, runs: dict[str, list[Window]]
                 f"| `{mode}` | {side} | {h['median_rounds_per_s']:.1f} | "
                 f"**{h['over_direct_rounds_per_s']:.3f}** | {h['median_rows_per_round']:.1f} | "
                 f"{h['median_loop_cpu_ms_per_round']:.2f} / "
-                f"{h['median_engine_cpu_ms_per_round']:.2f} |"
+                f"{h['median_engine_cpu_ms_per_round']:.2f} | {h['median_engine_cores']:.2f} |"
             )
+    cores = "engine CPU, cores"
     md = f"""# Server overhead: engine rounds per second with HTTP attached
 
 Command: `python -m loadtests.server_bench --model {args.model} --spec-modes
@@ -428,15 +438,14 @@ Command: `python -m loadtests.server_bench --model {args.model} --spec-modes
 Machine: **CPU only, {os.cpu_count()} cores, shared with other work while measuring**. Model:
 {model_desc}; drafter `{args.draft}`; torch intra-op threads {args.torch_threads}. Every side
 keeps {args.concurrency} greedy requests of {args.max_tokens} tokens live (refill). An HTTP side
-is `hipfire-serve serve --engine-loop L --stream-interval N` (side `http-L-every-N`) in its own
-process group, fed by
+is `hipfire-serve serve --engine-loop L --stream-interval N` (side `http-L-every-N`), fed by
 {args.concurrency} streaming clients (keep-alive connections, one event loop) in the benchmark
 process, on the same cores; the direct side is a process looping over `Engine.step()`. The
 sides take turns in {args.window} s windows ({args.windows} each), the others frozen with
 SIGSTOP, so that all see the same machine load.
 
-| spec mode | side | rounds/s | / direct | rows/round | server CPU ms/round: loop / engine |
-|---|---|---|---|---|---|
+| spec mode | side | rounds/s | / direct | rows/round | CPU ms/round: loop / engine | {cores} |
+|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 Target: HTTP / direct >= 0.90. `ar` fixes the round shape (one row per decoding request), so it
@@ -444,7 +453,9 @@ isolates the server's cost; under `adaptive` the policy picks routes from its ow
 so the sides may run rounds of different sizes (see rows/round). The last column is the CPU time
 per round of the server's event-loop thread (all HTTP work: parsing, SSE encoding, socket
 writes, metrics) and of the engine (thread, or child process; for the direct side its
-process), read from `/proc`. Medians over the windows; per-window numbers: `server.json`.
+process), read from `/proc`; the last column is the engine's CPU time per second of wall time
+(rounds/s = that / CPU seconds per round). Medians over the windows; per-window numbers:
+`server.json`.
 """
     (out / "server.md").write_text(md)
     print(md)
@@ -453,7 +464,7 @@ process), read from `/proc`. Medians over the windows; per-window numbers: `serv
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo", help="'demo', 'tiny' or a model directory")
-    parser.add_argument("--draft", default="ngram")
+    parser.add_argument("--draft", default="auto", help="auto: the demo draft model with demo")
     parser.add_argument("--spec-modes", default="ar,adaptive", help="comma-separated")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -240,6 +240,11 @@ class ProcessEngine:
     def running(self) -> bool:
         return not self._stopped and self._proc.is_alive()
 
+    @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._proc.pid
+
     async def add_request(
         self,
         request_id: str,

@@ -74,7 +74,7 @@ def test_disconnects_leave_the_child_engine_idle(process_server):
 
 def test_child_ignores_terminal_signals(process_server):
     """Ctrl+C reaches the whole process group: the child must leave shutdown to the server."""
-    child_pid = process_server.engine._proc.pid
+    child_pid = process_server.engine.pid
     os.kill(child_pid, signal.SIGINT)
     os.kill(child_pid, signal.SIGTERM)
     ok = httpx.post(
