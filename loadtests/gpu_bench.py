@@ -3,7 +3,7 @@ and all-spec (and the simulator's other baselines) on real-shaped random-weight 
 the roofline and against the simulator's prediction. Uses project internals (engine, scheduler,
 executor, simulator); no HTTP.
 
-    hipfire-serve bench --out OUT            # the GPU run: Qwen3-8B target, < 9 minutes
+    hipfire-serve bench --out OUT            # the GPU run: Qwen3-8B-shaped target
     hipfire-serve bench --quick --out OUT    # the same pipeline on `random:tiny` (CPU tests)
 
 One run, in order:
@@ -12,8 +12,9 @@ One run, in order:
    Qwen3-0.6B-shaped draft model, or ngram);
 2. the cost profile of that engine (`executor.profiler.build_profile`, copy bandwidth and bf16
    GEMM rate measured in the same call); the scheduler's cost model and the simulator read it;
-3. round time over rows x KV length against the roofline max(bytes / copy BW, FLOPs / GEMM rate),
-   and GPU idle in the engine loop at C = 64 (torch profiler);
+3. round time over rows x KV length against the roofline max(bytes / copy BW, FLOPs / GEMM rate)
+   (shapes over 1.3 x re-timed phase by phase), the decode graphs the runs replay captured
+   ahead, and GPU idle in the engine loop at C = 64 (torch profiler);
 4. the refill workload at each C: C slots, a finished request replaced at once while the source
    has requests, `waves * C` requests (at least `--min-requests`), prompts of ~`--prompt-len`
    tokens (uniform in [len/2, 3 len/2], the simulator's workload), `--max-tokens` outputs each,
@@ -27,8 +28,10 @@ One run, in order:
 Figures (the loadgen's definitions, on engine steps instead of streams): full-live tokens/s = the
 tokens of the steps whose round ran all C requests decoding (route of C letters, no prefill)
 over those steps' wall time; finite refill tokens/s = all tokens over the whole run, drain
-included. `--time-budget-s` bounds the whole call: runs that would not fit are skipped (and
-listed), repeat-major, so every point gets its first repeat before any gets a second.
+included. `--time-budget-s` (default 500 s) bounds the whole call: runs are made repeat-major,
+so every point gets its first repeat before any gets a second, and a run whose expected length
+(from the runs before it) would pass the budget is skipped and listed; a run that raises is
+listed with its error and the engine drained, so the others still count.
 """
 
 from __future__ import annotations
