@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,15 +63,19 @@ def roofline_curve(engine, profile: dict) -> list[dict]:
     return out
 
 
-def add_round_phases(engine, cfg: BenchConfig, curve: list[dict], bound: float = 1.3) -> int:
+def add_round_phases(
+    engine, cfg: BenchConfig, curve: list[dict], deadline: float, bound: float = 1.3
+) -> int:
     """Where a shape misses `bound` x its roofline, times it again phase by phase (host build,
-    target forward, acceptance, commit: median ms) so the report can say where the time goes.
-    Returns the number of shapes re-timed."""
+    target forward, acceptance, commit: median ms) so the report can say where the time goes;
+    until `deadline` (perf_counter seconds). Returns the number of shapes re-timed."""
     from executor.profiler import RoundTimer
 
     timer = RoundTimer(engine.executor, cfg.spec_depth)
     num = 0
     for r in curve:
+        if time.perf_counter() > deadline:
+            break
         if r["ratio"] is not None and r["ratio"] > bound:
             timer.time_round(r["rows"], r["kv_len"], repeats=3)
             r["phases_ms"] = {k: round(v, 4) for k, v in timer.last_phases.items()}

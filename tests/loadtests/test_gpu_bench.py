@@ -378,7 +378,8 @@ def test_roofline_rows_pair_each_profiled_round_with_its_ceiling_bound():
         {"rows": 1, "kv_len": 16, "ratio": 1.1},
         {"rows": 1, "kv_len": 16, "ratio": None},
     ]
-    assert add_round_phases(engine, QUICK, curve) == 1
+    assert add_round_phases(engine, QUICK, curve, deadline=0.0) == 0  # no time left
+    assert add_round_phases(engine, QUICK, curve, deadline=float("inf")) == 1
     assert set(curve[0]["phases_ms"]) == {"build", "draft", "forward", "accept", "commit"}
     assert curve[0]["phases_ms"]["forward"] > 0
     assert "phases_ms" not in curve[1] and "phases_ms" not in curve[2]
