@@ -125,3 +125,17 @@ def test_hash_key_subcommand(capsys, monkeypatch):
     assert hash_key_main([]) == 0
     assert capsys.readouterr().out.strip() == hash_key("from-stdin")
     assert hash_key_main(["a", "b"]) == 2
+
+
+def test_serve_refuses_a_bad_tenants_file(tmp_path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenants]]\nname = "acme"\napi_key_sha256 = ["not-a-digest"]\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "hipfire_serve.cli", "serve", "--tenants", str(tenants)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "tenants[0] (acme)" in proc.stderr and "64 hex digits" in proc.stderr
