@@ -472,3 +472,14 @@ def test_graph_warm_up_covers_the_shapes_the_runs_replay():
     assert all(b >= q for b, _, q in graphs.graphs)
     no_graphs = SimpleNamespace(executor=SimpleNamespace(graphs=None))
     assert warm_graphs(no_graphs, BenchConfig()) == 0
+
+
+def test_the_simulator_baselines_also_run_on_the_engine(tmp_path):
+    policies = "adaptive,all-ar,all-spec,threshold,goodput,sticky,survival"
+    argv = ["--quick", "--out", str(tmp_path), "--repeats", "1", "--drafters", "ngram"]
+    assert main([*argv, "--policies", policies, "--concurrency", "2"]) == 0
+    record = json.loads((tmp_path / "gpu.json").read_text())
+    assert sorted(r["policy"] for r in record["runs"]) == sorted(policies.split(","))
+    for run in record["runs"]:
+        assert run["num_failed"] == 0
+        assert run["num_tokens"] == run["num_requests"] * record["config"]["max_tokens"]
