@@ -30,14 +30,15 @@ HYSTERESIS = 0.03
 # switching to speculation yields at least one observation before it can be dropped again.
 # Arrivals and departures lift the dwell: the plan is re-made at once on a new cohort.
 MIN_DWELL_ROUNDS = 2
-# Catch-up amortisation (see amortized_lag): a speculating request emits a few tokens per
-# round (mean accepted lengths of about 2 to 5 in docs/perf/scheduler.md), so its remaining
-# tokens / 4 estimates the rounds it can still speculate. Once caught up the drafter stays
-# caught up while the request speculates, so the whole horizon benefits; the cap of 64 rounds
-# keeps a long request from treating any catch-up as free. (A cap of 8 locked prose-like
-# requests out of speculation at C = 128 in the simulator: the one-off cost never paid.)
-TOKENS_PER_SPEC_ROUND = 4.0
-CATCHUP_HORIZON_ROUNDS = 64.0
+# Catch-up amortisation (see amortized_lag): once caught up, the drafter stays caught up while
+# the request speculates, so the catch-up serves every round the request has left: its
+# remaining tokens / TOKENS_PER_SPEC_ROUND, where 1.5 is about the lowest mean accepted length
+# per speculating round in docs/perf/scheduler.md (prose-like text), capped at 512 rounds so
+# that a very long request does not treat any catch-up as free. Shorter horizons locked
+# requests out of speculation at C = 128..256 in the simulator (8 rounds on every cohort,
+# 64 rounds on the mixed cohort): the one-off cost never paid within them.
+TOKENS_PER_SPEC_ROUND = 1.5
+CATCHUP_HORIZON_ROUNDS = 512.0
 # EMA weight of one round in the rate bar: ~20 rounds, enough to average the luck of single
 # rounds, short enough to follow a change of regime (arrivals, drain) within a second or so.
 RATE_ALPHA = 0.05
