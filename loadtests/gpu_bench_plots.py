@@ -59,7 +59,7 @@ def throughput_plot(record: dict, path: Path) -> None:
                         mean,
                         yerr=err,
                         marker="o",
-                        color=colors[policy],
+                        color=colors.get(policy),
                         label=policy,
                         capsize=2,
                     )
@@ -73,7 +73,7 @@ def throughput_plot(record: dict, path: Path) -> None:
                         [r["concurrency"] for r in sims],
                         [r["sim"][metric] for r in sims],
                         linestyle="--",
-                        color=colors[policy],
+                        color=colors.get(policy),
                         alpha=0.7,
                         label=f"{policy} (sim)",
                     )
