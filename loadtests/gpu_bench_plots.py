@@ -28,7 +28,9 @@ def _rows_for(record: dict, policy: str, drafter: str, cohort: str) -> list[dict
 
 def _colors(record: dict) -> dict[str, str]:
     """One colour per policy, the same in every plot."""
-    return {p: f"C{i}" for i, p in enumerate(record["config"]["sim_policies"])}
+    cfg = record["config"]
+    names = dict.fromkeys([*cfg["sim_policies"], *cfg["policies"]])
+    return {p: f"C{i % 10}" for i, p in enumerate(names)}
 
 
 def _panels(record: dict) -> list[tuple[str, str]]:
