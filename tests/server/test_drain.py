@@ -35,7 +35,7 @@ def _start(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
         "--kv-cache-memory",
         "8MiB",
         "--max-model-len",
-        "256",
+        "512",
         "--graphs",
         "off",
         "--port",
@@ -113,18 +113,22 @@ def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(tiny_model_dir
     proc, url = _start(tiny_model_dir, "--drain-timeout", "60", "--engine-loop", engine_loop)
     try:
         results: list[str] = []
-        body = {"prompt": "for i in", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+        # long enough that the requests are still running while the drain is checked, even on
+        # a fast, idle machine (~480 rounds)
+        body = {"prompt": "for i in", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
         threads = [_stream_in_background(url, body, results) for _ in range(3)]
         _wait_running(url, 3)
         engine_children = _children(proc.pid) if engine_loop == "process" else []
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "drain did not start"
+            time.sleep(0.02)
         refused = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
         assert refused.status_code == 503 and "retry-after" in refused.headers
-        assert httpx.get(url + "/health", timeout=10).status_code == 503
         for thread in threads:
-            thread.join(timeout=60)
-        assert proc.wait(timeout=60) == 0
+            thread.join(timeout=120)
+        assert proc.wait(timeout=120) == 0
     finally:
         proc.kill()
     assert all(_gone(child) for child in engine_children)  # no orphaned engine process
