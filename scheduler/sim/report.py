@@ -84,6 +84,31 @@ def check_targets(rows: dict) -> dict:
     return checks
 
 
+def closest_margins(rows: dict, checks: dict) -> list[str]:
+    """The tightest grid point of every check, passing or not."""
+    best_fixed, oracle, others = [], [], []
+    crossings = []
+    for cohort in COHORTS:
+        per_c = checks["per_cohort"][cohort]["ratios"]
+        for c, r in per_c.items():
+            best_fixed.append((min(r["all-ar"], r["all-spec"]), cohort, c))
+            oracle.append((r["oracle"], cohort, c))
+            others.extend((r[p], cohort, c, p) for p in BASELINES)
+        cx = checks["per_cohort"][cohort]["crossover"]
+        crossings.append(
+            f"{cohort} C={cx}: {per_c[cx]['all-ar']:.3f} x all-AR, "
+            f"{per_c[cx]['all-spec']:.3f} x all-spec"
+        )
+    v, cohort, c = min(best_fixed)
+    lines = [f"vs max(all-AR, all-spec): lowest {v:.3f} ({cohort} C={c}) (target 0.98)"]
+    lines.append("at the crossovers (target 1.05): " + "; ".join(crossings))
+    v, cohort, c = min(oracle)
+    lines.append(f"vs oracle: lowest {v:.3f} ({cohort} C={c}) (target 0.93)")
+    v, cohort, c, p = min(others)
+    lines.append(f"vs any other baseline: lowest {v:.3f} x {p} ({cohort} C={c}) (target 0.99)")
+    return lines
+
+
 def miss_notes(rows: dict, checks: dict) -> list[str]:
     """For every point where adaptive trails a baseline, how the oracle fares there: if the
     oracle trails it too, the gap is in the planner's objective, not in estimation."""
@@ -106,11 +131,11 @@ def miss_notes(rows: dict, checks: dict) -> list[str]:
                     f"{s_share(p):.2f}, oracle {s_share('oracle'):.2f}, adaptive "
                     f"{s_share('adaptive'):.2f}. "
                     + (
-                        "The oracle, with the true acceptance state, trails it as well: "
-                        "the gap is the planner's per-round objective against a uniform "
-                        "depth for every request, not the estimation."
-                        if oracle < 0.99 * base
-                        else "The oracle stays within 1%: the gap is the estimation (see below)."
+                        "The oracle (same planner, true acceptance state) is below it too, "
+                        "so the gap comes mostly from the per-round planner, not from "
+                        "estimating acceptance."
+                        if oracle < base
+                        else "The oracle is above it, so the gap comes from estimating acceptance."
                     )
                 )
     return notes
@@ -163,6 +188,10 @@ def render_markdown(payload: dict) -> str:
         "crossover (the grid point where all-AR and all-spec are closest);"
     )
     out.append("- adaptive >= 0.93 x oracle; adaptive >= 0.99 x every other baseline.")
+    out.append("")
+    out.append("Closest points of each check:")
+    out.append("")
+    out.extend(f"- {line}" for line in closest_margins(rows, checks))
     out.append("")
     for cohort in COHORTS:
         cx = checks["per_cohort"][cohort]["crossover"]
@@ -274,15 +303,10 @@ PLAN_COST_NOTE = (
 )
 
 NOTES = """\
-- Where the gap is the estimation: at large C only a minority of draft positions pay for
-  their rows, so the plan depends on telling good requests from poor ones. The oracle
-  picks the code-class requests in their easy stretches. The adaptive policy learns a
-  request's acceptance only from the rounds it speculates, and the belief of a request that
-  has not speculated for a while falls back to the population's; with the mixed cohort's
-  two classes that prior sits near the break-even point, so most requests stay AR. A
-  uniform depth of one draft for everyone (threshold, goodput) pays its way here without
-  needing to know which request is which. A trial with a per-request long-run belief plus
-  one forced probe per request did not close the gap and is not in this code.
+- The planner decides one round at a time. A uniform depth for everyone (threshold,
+  goodput) keeps every request speculating and its drafter caught up; the planner moves
+  requests in and out of speculation (the speculating shares above) and relies on the
+  amortised catch-up charge (`scheduler/policy.py`) to value staying caught up.
 - The policy maximises `expected tokens - rate_bar x predicted ms` per round, where
   `rate_bar` is the realised long-run rate relative to the batch's all-AR rate (floored at
   the AR rate). Maximising each round's own tokens/ms instead compares a draft position
