@@ -75,6 +75,8 @@ class _Curve:
 
     def __call__(self, rows):
         rows = np.asarray(rows, dtype=np.int64)
+        if rows.max(initial=0) < TABLE_ROWS:
+            return self.table[rows]  # the common case: one gather
         inside = self.table[np.minimum(rows, TABLE_ROWS - 1)]
         return np.where(rows < TABLE_ROWS, inside, self.end + (rows - TABLE_ROWS + 1) * self.slope)
 
@@ -287,8 +289,9 @@ class CostModel:
         num_prefill_rows: int,
     ) -> np.ndarray:
         """predict_ms of many speculating candidates of one round (depth >= 1), sharing its base
-        rows and KV: each candidate adds `extra_rows` draft rows. Same values as predict_ms, via
-        1-D tables over the few distinct row and request counts (the planner's hot path)."""
+        rows and KV: each candidate adds `extra_rows` draft rows (arguments broadcast). Same
+        values as predict_ms, via 1-D tables over the few distinct row and request counts (the
+        planner's hot path)."""
         p = self.profile
         extra = np.arange(int(extra_rows.max()) + 1)  # [R]
         rows = base_rows + extra
@@ -297,6 +300,8 @@ class CostModel:
         if self.drafter_prefill and num_prefill_rows:
             fixed = fixed + p._draft.scalar(num_prefill_rows)
         corr = self.correction(rows, True)  # [R]
+        num_spec = np.asarray(num_spec)
+        lag_rows = np.asarray(lag_rows)
         step = p.draft_step_ms(np.arange(int(num_spec.max()) + 1))  # [K] one chain step
         first = p.draft_step_ms(num_spec + lag_rows) if lag_rows.any() else step[num_spec]
         draft = first + (depth - 1) * step[np.maximum(num_spec, 1)]

@@ -72,11 +72,13 @@ def plan_depths(
 
     caps = np.arange(1, max_drafts + 1)  # [D]
     in_cap = pos_of[None, :] < caps[:, None]  # [D, P]
-    first = in_cap & (pos_of == 0)[None, :]  # [D, P] a request's first draft
+    # A request's first draft is inside every cap, so the speculating count and the catch-up
+    # rows of a prefix do not depend on the cap: [P] instead of [D, P].
+    first = pos_of == 0  # [P]
+    num_spec = np.cumsum(first)  # [P]
+    lag = np.cumsum(np.where(first, drafter_lag[req_of], 0))  # [P]
     rows = np.cumsum(in_cap, axis=1)  # [D, P] drafts taken
-    num_spec = np.cumsum(first, axis=1)  # [D, P]
-    lag = np.cumsum(first * drafter_lag[req_of][None, :], axis=1)  # [D, P]
-    tokens = base_tokens + np.cumsum(in_cap * value[None, :], axis=1)  # [D, P]
+    tokens = base_tokens + np.cumsum(np.where(in_cap, value[None, :], 0.0), axis=1)  # [D, P]
     ms = cost_model.predict_spec_grid(
         base_rows, base_kv_tokens, rows, caps[:, None], num_spec, lag, num_prefill_rows
     )  # [D, P]

@@ -65,6 +65,7 @@ class Request:
         "num_preemptions",
         "num_prefill_target",
         "output_token_ids",
+        "req_id",
         "slot",
         "spec",
         "state",
@@ -73,6 +74,7 @@ class Request:
 
     def __init__(self, spec: RequestSpec):
         self.spec = spec
+        self.req_id = spec.req_id  # a plain attribute: read for every request every round
         self.state = ReqState.WAITING
         self.slot = -1
         self.output_token_ids: list[int] = []
@@ -88,10 +90,6 @@ class Request:
         self.num_accepted = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-
-    @property
-    def req_id(self) -> int:
-        return self.spec.req_id
 
     @property
     def num_prompt(self) -> int:
