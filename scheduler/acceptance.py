@@ -42,7 +42,7 @@ LEVELS = np.array([0.05, 0.2, 0.35, 0.5, 0.6, 0.7, 0.8, 0.87, 0.93, 0.97])
 SWITCH = 0.08
 # Weight of one observed request's belief in the global prior: a running mean over the first
 # observations (PRIOR_COUNT pseudo-observations for the configured prior), then an EMA over the
-# last ~50 observed request-rounds, so the prior follows a change of traffic within seconds.
+# last ~50 observed request-rounds, so the prior follows a change of traffic.
 PRIOR_ALPHA = 0.02
 PRIOR_COUNT = 20.0
 MAX_ACCEPTANCE = 0.995
