@@ -44,6 +44,13 @@ class BlockPool:
         """Fraction of blocks held by requests."""
         return self.num_used / self.num_total
 
+    @property
+    def tables(self) -> dict[int, list[int]]:
+        """req_id -> its block ids in table order, the pool's own lists: for read-only lookups
+        in per-request hot loops (one dict access instead of a method call); change blocks only
+        through the methods below."""
+        return self._held
+
     def blocks_of(self, req_id: int) -> tuple[int, ...]:
         return tuple(self._held.get(req_id, ()))
 

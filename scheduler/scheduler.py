@@ -25,7 +25,7 @@ import numpy as np
 from scheduler.acceptance import AcceptanceEstimator
 from scheduler.cost_model import CostModel, ProfileCost
 from scheduler.kv_blocks import BlockPool, num_blocks_for
-from scheduler.plan import ROUTE_LETTER, Mode, ReqPlan, RoundPlan, RoundResult, SeqSetup
+from scheduler.plan import Mode, ReqPlan, RoundPlan, RoundResult, SeqSetup
 from scheduler.policy import (
     HYSTERESIS,
     MIN_DWELL_ROUNDS,
@@ -338,16 +338,20 @@ class Scheduler:
         # Decode rows: every decoding request gets at least its AR row, oldest first.
         decoders: list[Request] = []
         bs = self.kv.block_size
-        held_of = self.kv.num_blocks_of
-        for req in [r for r in self._live if r.state == ReqState.DECODING]:
-            if req.slot < 0:
+        tables = self.kv.tables
+        num_preempted = self._num_preemptions
+        decoding = ReqState.DECODING
+        for req in self._live:
+            if req.state != decoding or req.slot < 0:
                 continue
             # fast path: the block of the AR row's position is already held
-            has_block = req.num_computed < held_of(req.req_id) * bs
+            held = tables.get(req.req_id)
+            has_block = held is not None and req.num_computed < len(held) * bs
             if has_block or self._reserve(req, req.num_computed + 1, released):
                 decoders.append(req)
-        decoders = [r for r in decoders if r.slot >= 0]
-        prefills = [(r, c) for r, c in prefills if r.slot >= 0]
+        if self._num_preemptions != num_preempted:  # some were preempted to make room
+            decoders = [r for r in decoders if r.slot >= 0]
+            prefills = [(r, c) for r, c in prefills if r.slot >= 0]
 
         num_draft = self._decide(decoders, prefills)
         reqs, route, total_rows, kv_tokens, d_max, lag = self._build_reqs(
@@ -436,7 +440,10 @@ class Scheduler:
         ar_ms = self.cost_model.predict_ms_scalar(
             base_rows, base_kv_tokens, 0, 0, 0, num_prefill_rows
         )
-        self._round_ar_rate = (n + prefill_done) / ar_ms
+        # Only decode-only rounds feed the rate bar (see RateTracker): with a prefill chunk in
+        # the round, drafts ride on an expensive eager forward and the uplift over AR is far
+        # above what decode rounds can reach.
+        self._round_ar_rate = 0.0 if prefills else n / ar_ms
         view = DecodeView(
             req_ids=table[:, 0],
             slots=table[:, 1],
@@ -475,42 +482,58 @@ class Scheduler:
         total_rows = kv_tokens = d_max = lag = 0
         kv = self.kv
         bs = kv.block_size
+        tables = kv.tables
+        inflight = self._inflight
+        round_id = self._round_id
+        spec, ar, prefill = Mode.SPEC, Mode.AR, Mode.PREFILL
+        # Every draft needs at most ceil(d / bs) + 1 new blocks; when the pool holds that for
+        # everyone, the per-request "does it fit" check is skipped (the common case).
+        max_new = len(decoders) * (-(-max(num_draft, default=0) // bs) + 1)
+        roomy = max_new <= kv.num_free
         for req, d in zip(decoders, num_draft):
-            if d > 0:  # drafts whose KV does not fit are dropped, never an error
-                held = kv.num_blocks_of(req.req_id)
-                while d > 0 and num_blocks_for(req.num_computed + 1 + d, bs) - held > kv.num_free:
+            rid = req.req_id
+            num_computed = req.num_computed
+            held = tables[rid]  # plan() made sure the AR row's block is held
+            if d > 0:
+                need = -(-(num_computed + 1 + d) // bs) - len(held)
+                # drafts whose KV does not fit are dropped, never an error
+                while not roomy and d > 0 and need > kv.num_free:
                     d -= 1
-            mode = Mode.SPEC if d > 0 else Mode.AR
+                    need = -(-(num_computed + 1 + d) // bs) - len(held)
+                if need > 0 and d > 0:
+                    kv.allocate(rid, need)  # appends to `held` in place
+            if d > 0:
+                mode = spec
+                lag += req.drafter_lag
+                if d > d_max:
+                    d_max = d
+            else:
+                mode = ar
             num_new = 1 + d
             # The table is exactly ceil(num_computed / bs) long after update(); every block
             # past that was allocated for this round (AR row in plan(), drafts here).
-            offset = -(-req.num_computed // bs)  # num_blocks_for, inlined (hot loop)
-            if d > 0:
-                kv.extend_to(req.req_id, req.num_computed + num_new)
-            new_ids = kv.blocks_from(req.req_id, offset)
+            offset = -(-num_computed // bs)  # num_blocks_for, inlined (hot loop)
+            new_ids = tuple(held[offset:]) if len(held) > offset else ()
             if mode != req.last_mode:
-                if req.last_mode != Mode.PREFILL:  # the first decision is not a switch
+                if req.last_mode != prefill:  # the first decision is not a switch
                     self._num_switches += 1
                 req.last_mode = mode
-                req.mode_since_round = self._round_id
-            if d > 0:
-                lag += req.drafter_lag
-                d_max = max(d_max, d)
+                req.mode_since_round = round_id
             plan = ReqPlan(
-                req_id=req.req_id,
+                req_id=rid,
                 slot=req.slot,
                 mode=mode,
-                num_computed=req.num_computed,
+                num_computed=num_computed,
                 num_new=num_new,
                 num_draft=d,
                 block_offset=offset,
                 new_block_ids=new_ids,
             )
             reqs.append(plan)
-            letters.append(ROUTE_LETTER[mode])
+            letters.append("S" if d > 0 else "A")
             total_rows += num_new
-            kv_tokens += req.num_computed + num_new
-            self._inflight[req.req_id] = plan
+            kv_tokens += num_computed + num_new
+            inflight[rid] = plan
         for req, chunk in prefills:
             first_new = num_blocks_for(req.num_computed, bs)
             ids = kv.blocks_from(req.req_id, first_new)
