@@ -307,6 +307,23 @@ class CostModel:
         draft = first + (depth - 1) * step[np.maximum(num_spec, 1)]
         return corr[extra_rows] * (fixed[extra_rows] + draft)
 
+    def spec_row_terms(
+        self, base_rows: int, base_kv_tokens: int, max_extra_rows: int, num_prefill_rows: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The draft-row-dependent terms of predict_spec_grid, for `extra` = 0..max_extra_rows
+        draft rows on top of the round's base: (corr, fixed), each [max_extra_rows + 1]. A
+        speculating candidate with `extra` draft rows and drafter time `draft_ms` (chain and
+        catch-up, see draft_step_ms) is predicted at corr[extra] * (fixed[extra] + draft_ms),
+        the same value predict_spec_grid gives."""
+        p = self.profile
+        extra = np.arange(max_extra_rows + 1)  # [R]
+        rows = base_rows + extra
+        target = p.target_ms(rows) if num_prefill_rows else p.padded_target_ms(rows)  # [R]
+        fixed = target + (base_kv_tokens + extra) * p.kv_ms_per_token  # [R]
+        if self.drafter_prefill and num_prefill_rows:
+            fixed = fixed + p._draft.scalar(num_prefill_rows)
+        return self.correction(rows, True), fixed
+
     def observe(self, num_rows: int, has_spec: bool, raw_predicted_ms: float, measured_ms: float):
         """Feeds one executed round: `raw_predicted_ms` is the uncorrected prediction."""
         if raw_predicted_ms <= 0 or measured_ms <= 0:

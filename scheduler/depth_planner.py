@@ -12,8 +12,10 @@ the first step also catches the drafter up on tokens it missed. So for every cap
 1..D we rank the positions with j <= c by value (a marginal-gain order: each next position adds
 its survival probability and one row), evaluate every prefix of that ranking with the exact
 cost (buckets, drafter, KV term, calibration), and keep the best prefix over all caps, or no
-speculation at all when that is better. The search is one argsort of n * D values and a few
-[D, n * D] array operations per round.
+speculation at all when that is better. The search is one argsort of n * D values, then per
+cap a dozen array operations over its own n * c ranked positions (n * D * (D + 1) / 2 values
+in all, every array at most n * D long: small enough to stay in the allocator's pools, where
+one [D, n * D] grid of temporaries paged memory in and out every round).
 
 What "best" means: the long-run rate is total tokens / total time, and the rounds' states
 differ (a request is easy now, hard later). Maximising each round's own ratio tokens / ms would
@@ -48,7 +50,7 @@ def plan_depths(
     rank_key: np.ndarray,  # [n, D] ranking key (survival * hysteresis, FORCE_KEY, <= 0: excluded)
     weights: np.ndarray,  # [n] value of a token of request i
     drafter_lag: np.ndarray,  # [n] tokens the drafter must catch up on if i speculates
-    cost_model,  # CostModel (predict_ms_scalar, predict_spec_grid)
+    cost_model,  # CostModel (predict_ms_scalar, spec_row_terms, profile.draft_step_ms)
     base_rows: int,  # rows without drafts: one per decoding request + prefill chunk rows
     base_kv_tokens: int,
     base_tokens: float,  # tokens without drafts: sum(weights) + prefill completions
@@ -70,34 +72,43 @@ def plan_depths(
     value = survival.ravel()[order] * weights[req_of]  # [P]
     num_forced = int(np.count_nonzero(flat_key[order] >= FORCE_KEY))
 
-    caps = np.arange(1, max_drafts + 1)  # [D]
-    in_cap = pos_of[None, :] < caps[:, None]  # [D, P]
     # A request's first draft is inside every cap, so the speculating count and the catch-up
-    # rows of a prefix do not depend on the cap: [P] instead of [D, P].
+    # rows of a prefix do not depend on the cap.
     first = pos_of == 0  # [P]
-    num_spec = np.cumsum(first)  # [P]
+    num_spec = np.cumsum(first)  # [P] speculating requests of the prefix ending here
     lag = np.cumsum(np.where(first, drafter_lag[req_of], 0))  # [P]
-    rows = np.cumsum(in_cap, axis=1)  # [D, P] drafts taken
-    tokens = base_tokens + np.cumsum(np.where(in_cap, value[None, :], 0.0), axis=1)  # [D, P]
-    ms = cost_model.predict_spec_grid(
-        base_rows, base_kv_tokens, rows, caps[:, None], num_spec, lag, num_prefill_rows
-    )  # [D, P]
-    # Objective: tokens - rate_bar * ms (see module doc); rate_bar 0 falls back to tokens / ms.
-    rate = tokens - rate_bar * ms if rate_bar > 0 else tokens / ms
-    # A prefix must contain every forced position, and a prefix must end on a position inside
-    # the cap (other prefixes repeat their predecessor's selection).
-    valid = in_cap.copy()
-    if num_forced:
-        valid[:, : num_forced - 1] = False
-        # a forced request deeper than the cap is still at depth >= 1, always inside every cap
-    rate = np.where(valid, rate, -np.inf)
-    best = int(np.argmax(rate))
-    cap_idx, last = divmod(best, rate.shape[1])
-    ar_value = base_tokens - rate_bar * ar_ms if rate_bar > 0 else base_tokens / ar_ms
-    if num_forced == 0 and rate.flat[best] <= ar_value:
+    corr, fixed = cost_model.spec_row_terms(
+        base_rows, base_kv_tokens, len(order), num_prefill_rows
+    )  # [P + 1] each, by draft rows taken
+    draft_step = cost_model.profile.draft_step_ms
+    step = draft_step(np.arange(int(num_spec[-1]) + 1))  # [K] one chain step over k rows
+    first_step = draft_step(num_spec + lag) if lag[-1] else step[num_spec]  # [P]
+    later_step = step[np.maximum(num_spec, 1)]  # [P]
+    # A prefix must contain every forced position (they rank first, all at depth 1, so they
+    # lead every cap's list too).
+    start = max(num_forced - 1, 0)
+    best_value = base_tokens - rate_bar * ar_ms if rate_bar > 0 else base_tokens / ar_ms
+    best = None  # (value, cap, positions taken, predicted ms, tokens)
+    for cap in range(1, max_drafts + 1):
+        # Prefixes that end on a position past the cap repeat their predecessor's selection:
+        # only the cap's own positions are candidate ends.
+        taken = np.flatnonzero(pos_of < cap) if cap < max_drafts else np.arange(len(order))
+        if len(taken) <= start:
+            continue
+        tokens = base_tokens + np.cumsum(value[taken])  # [m] tokens of each prefix
+        num_rows = len(taken)
+        draft = first_step[taken] + (cap - 1) * later_step[taken]  # [m] drafter ms
+        ms = corr[1 : num_rows + 1] * (fixed[1 : num_rows + 1] + draft)  # [m]
+        # Objective: tokens - rate_bar * ms (see module doc); rate_bar 0: tokens / ms.
+        rate = tokens - rate_bar * ms if rate_bar > 0 else tokens / ms
+        last = start + int(np.argmax(rate[start:]))
+        # strictly better only: ties go to the smaller cap (fewer drafter steps)
+        if (best is None and (num_forced or rate[last] > best_value)) or (
+            best is not None and rate[last] > best[0]
+        ):
+            best = (float(rate[last]), cap, taken[: last + 1], float(ms[last]), tokens[last])
+    if best is None:
         return none
-    chosen = in_cap[cap_idx, : last + 1]
-    num_draft = np.bincount(req_of[: last + 1][chosen], minlength=n).astype(np.int64)
-    return DepthChoice(
-        num_draft, float(ms[cap_idx, last]), float(tokens[cap_idx, last]), ar_ms, base_tokens
-    )
+    _, _, chosen, predicted_ms, predicted_tokens = best
+    num_draft = np.bincount(req_of[chosen], minlength=n).astype(np.int64)
+    return DepthChoice(num_draft, predicted_ms, float(predicted_tokens), ar_ms, base_tokens)

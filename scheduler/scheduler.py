@@ -255,6 +255,8 @@ class Scheduler:
 
     def _admit(self, setups: list[SeqSetup], now: float) -> None:
         cfg = self.config
+        if not self._free_slots or not self.admission.num_waiting:
+            return  # the common case of a full server: no per-request work
         reserve = int(cfg.kv_watermark * self.kv.num_total) + sum(
             num_blocks_for(r.num_prefill_target + 1, self.kv.block_size)
             - self.kv.num_blocks_of(r.req_id)
@@ -324,7 +326,14 @@ class Scheduler:
         # Prefill chunks, oldest admission first, within the token budget.
         budget = cfg.max_prefill_tokens
         prefills: list[tuple[Request, int]] = []
-        for req in [r for r in self._live if r.state == ReqState.PREFILLING]:
+        prefilling: list[Request] = []
+        decoding: list[Request] = []
+        for req in self._live:  # one pass: both lists keep admission order
+            if req.state == ReqState.DECODING:
+                decoding.append(req)
+            elif req.state == ReqState.PREFILLING:
+                prefilling.append(req)
+        for req in prefilling:
             if budget <= 0:
                 break
             if req.slot < 0:
@@ -340,10 +349,9 @@ class Scheduler:
         bs = self.kv.block_size
         tables = self.kv.tables
         num_preempted = self._num_preemptions
-        decoding = ReqState.DECODING
-        for req in self._live:
-            if req.state != decoding or req.slot < 0:
-                continue
+        for req in decoding:
+            if req.slot < 0:
+                continue  # preempted to make room for a prefill chunk
             # fast path: the block of the AR row's position is already held
             held = tables.get(req.req_id)
             has_block = held is not None and req.num_computed < len(held) * bs
