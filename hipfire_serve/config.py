@@ -23,9 +23,7 @@ class EngineConfig:
         "drafter: a model directory, 'ngram', 'synthetic' (benchmarks only), 'none', or 'auto' "
         "(the demo draft model with the demo target, else none)",
     )
-    spec_mode: str = _f(
-        "adaptive", "speculation policy", choices=("adaptive", "spec", "ar")
-    )
+    spec_mode: str = _f("adaptive", "speculation policy", choices=("adaptive", "spec", "ar"))
     spec_depth: int = _f(8, "rows verified per speculating request (drafts + 1), at most")
     max_concurrency: int = _f(64, "live slot capacity (requests decoding at once)")
     max_queue: int = _f(1024, "waiting requests beyond which new ones get 503")

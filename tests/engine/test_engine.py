@@ -48,41 +48,51 @@ def test_n_choices_use_derived_seeds(model_dir):
     seqs = [tuple(c.token_ids) for c in out.outputs]
     assert len(set(seqs)) > 1  # different seeds per choice
     for i in range(3):  # choice i is the request with seed 7 + i
-        single = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0,
-                                                     seed=7 + i, ignore_eos=True))[0]
+        single = llm.generate(
+            PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=7 + i, ignore_eos=True)
+        )[0]
         assert tuple(single.outputs[0].token_ids) == seqs[i]
     _idle(llm)
 
 
 @pytest.mark.parametrize("draft", ["none", "ngram"])
 def test_stop_string_inside_an_accepted_run(model_dir, draft):
-    llm = _llm(model_dir, draft=draft, spec_mode="spec" if draft != "none" else "ar",
-               spec_depth=8)
-    base = llm.generate(PROMPT, SamplingParams(max_tokens=48, temperature=0.0,
-                                               ignore_eos=True))[0].outputs[0]
+    llm = _llm(model_dir, draft=draft, spec_mode="spec" if draft != "none" else "ar", spec_depth=8)
+    base = llm.generate(PROMPT, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[
+        0
+    ].outputs[0]
     text = base.text
     assert len(text) > 12
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = text.index(stop)
-    out = llm.generate(PROMPT, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True,
-                                              stop=[stop]))[0].outputs[0]
+    out = llm.generate(
+        PROMPT, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop=[stop])
+    )[0].outputs[0]
     assert out.text == text[:cut]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     # the token in which the stop string completes is the last one emitted
     assert out.token_ids == base.token_ids[: len(out.token_ids)]
     assert stop in llm.tokenizer.decode(out.token_ids)
     assert stop not in llm.tokenizer.decode(out.token_ids[:-1])
-    with_stop = llm.generate(PROMPT, SamplingParams(max_tokens=48, temperature=0.0,
-                                                    ignore_eos=True, stop=[stop],
-                                                    include_stop_str_in_output=True))
+    with_stop = llm.generate(
+        PROMPT,
+        SamplingParams(
+            max_tokens=48,
+            temperature=0.0,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+    )
     assert with_stop[0].outputs[0].text == text[: cut + len(stop)]
     _idle(llm)
 
 
 def test_speculation_figures_and_logprobs(model_dir):
     llm = _llm(model_dir, draft="ngram", spec_mode="spec", spec_depth=6)
-    out = llm.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
-                                              logprobs=3))[0].outputs[0]
+    out = llm.generate(
+        PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=3)
+    )[0].outputs[0]
     assert out.num_draft_tokens > 0
     assert 0 <= out.num_accepted_tokens <= out.num_draft_tokens
     assert len(out.logprobs) == len(out.token_ids) == 40
@@ -90,18 +100,25 @@ def test_speculation_figures_and_logprobs(model_dir):
         assert lp.token_id == tok and lp.logprob <= 0.0
         assert len(lp.top) == 3 and lp.top[0][1] >= lp.top[-1][1]
         assert lp.top[0][0] == tok  # greedy: the chosen token is the most likely one
-    plain = _llm(model_dir).generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0,
-                                                            ignore_eos=True))[0].outputs[0]
+    plain = (
+        _llm(model_dir)
+        .generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+        .outputs[0]
+    )
     assert plain.token_ids == out.token_ids and plain.num_draft_tokens == 0
     _idle(llm)
 
 
 def test_max_tokens_inside_an_accepted_run(model_dir):
     llm = _llm(model_dir, draft="ngram", spec_mode="spec", spec_depth=8)
-    ref = _llm(model_dir).generate(PROMPT, SamplingParams(max_tokens=64, temperature=0.0,
-                                                          ignore_eos=True))[0].outputs[0]
+    ref = (
+        _llm(model_dir)
+        .generate(PROMPT, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))[0]
+        .outputs[0]
+    )
     for m in (1, 5, 13, 30):
-        out = llm.generate(PROMPT, SamplingParams(max_tokens=m, temperature=0.0,
-                                                  ignore_eos=True))[0].outputs[0]
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))[
+            0
+        ].outputs[0]
         assert out.token_ids == ref.token_ids[:m] and out.finish_reason == "length"
     _idle(llm)

@@ -16,8 +16,9 @@ GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    return {a: make_tiny_model(tmp_path_factory.mktemp(a), a, seed=10 + i)
-            for i, a in enumerate(ARCHS)}
+    return {
+        a: make_tiny_model(tmp_path_factory.mktemp(a), a, seed=10 + i) for i, a in enumerate(ARCHS)
+    }
 
 
 def _assert_idle(llm):
@@ -29,27 +30,41 @@ def _assert_idle(llm):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_64_tokens_match_transformers_generate(model_dirs, arch):
-    llm = LLM(str(model_dirs[arch]), device="cpu", dtype="float32", draft="none",
-              max_prefill_tokens=32)  # prompts of 45 tokens prefill in two chunks
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dirs[arch],
-                                                           dtype=torch.float32).eval()
+    llm = LLM(
+        str(model_dirs[arch]), device="cpu", dtype="float32", draft="none", max_prefill_tokens=32
+    )  # prompts of 45 tokens prefill in two chunks
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dirs[arch], dtype=torch.float32
+    ).eval()
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(1, llm.engine.target.config.vocab_size, (45,), generator=g).tolist()
     out = llm.generate([prompt], GREEDY)[0].outputs[0]
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64,
-                      do_sample=False, eos_token_id=None)[0, len(prompt):].tolist()
+    ref = hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=64,
+        min_new_tokens=64,
+        do_sample=False,
+        eos_token_id=None,
+    )[0, len(prompt) :].tolist()
     assert out.token_ids == ref
     assert out.finish_reason == "length"
     _assert_idle(llm)
 
 
 def test_batch_gives_each_request_its_solo_tokens(model_dirs):
-    llm = LLM(str(model_dirs["qwen3"]), device="cpu", dtype="float32", draft="none",
-              max_concurrency=3, max_prefill_tokens=48)
+    llm = LLM(
+        str(model_dirs["qwen3"]),
+        device="cpu",
+        dtype="float32",
+        draft="none",
+        max_concurrency=3,
+        max_prefill_tokens=48,
+    )
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (3, 17, 40, 61, 9)]
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
-              for m in (30, 12, 25, 7, 33)]
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 12, 25, 7, 33)
+    ]
     batched = llm.generate(prompts, params)
     for prompt, p, got in zip(prompts, params, batched):
         solo = llm.generate([prompt], p)[0]
@@ -74,8 +89,9 @@ def test_text_prompt_and_eos_stop(model_dirs):
 
 
 def test_bad_input_is_a_clear_error_and_leaves_engine_usable(model_dirs):
-    llm = LLM(str(model_dirs["llama"]), device="cpu", dtype="float32", draft="none",
-              max_model_len=128)
+    llm = LLM(
+        str(model_dirs["llama"]), device="cpu", dtype="float32", draft="none", max_model_len=128
+    )
     with pytest.raises(ValueError, match="maximum context length is 128"):
         llm.generate([list(range(1, 100))], SamplingParams(max_tokens=64))
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -84,7 +100,6 @@ def test_bad_input_is_a_clear_error_and_leaves_engine_usable(model_dirs):
         llm.generate("hi", SamplingParams(top_p=0.0))
     with pytest.raises(TypeError, match="unknown option"):
         LLM(str(model_dirs["llama"]), device="cpu", no_such_flag=1)
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0,
-                                                   ignore_eos=True))
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 5
     _assert_idle(llm)

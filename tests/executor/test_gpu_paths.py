@@ -30,8 +30,13 @@ def _ragged_meta(device, block=16):
         cu.append(len(pos))
         lens.append(start + n)
     t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-    return AttnMetadata(t(pos, torch.int64), t(slots, torch.int64), t(cu, torch.int32),
-                        t(lens, torch.int32), t(tables, torch.int32)), next_block
+    return AttnMetadata(
+        t(pos, torch.int64),
+        t(slots, torch.int64),
+        t(cu, torch.int32),
+        t(lens, torch.int32),
+        t(tables, torch.int32),
+    ), next_block
 
 
 def test_triton_forward_matches_reference_bf16():
@@ -43,8 +48,9 @@ def test_triton_forward_matches_reference_bf16():
     for ops in (reference_ops(), triton_ops()):
         model.ops = ops
         torch.manual_seed(0)
-        kv = KVCache.allocate(model.config, num_blocks=nb + 1, block_size=16,
-                              dtype=torch.bfloat16, device=dev)
+        kv = KVCache.allocate(
+            model.config, num_blocks=nb + 1, block_size=16, dtype=torch.bfloat16, device=dev
+        )
         for k, v in zip(kv.k, kv.v):  # the same (random) cached context for both paths
             k.normal_()
             v.normal_()
@@ -60,8 +66,9 @@ def test_graph_replay_equals_eager_forward():
 
     dev = torch.device("cuda")
     model = random_model("qwen3-0.6b", device=dev, dtype=torch.bfloat16, max_position=4096)
-    kv = KVCache.allocate(model.config, num_blocks=600, block_size=16, dtype=torch.bfloat16,
-                          device=dev)
+    kv = KVCache.allocate(
+        model.config, num_blocks=600, block_size=16, dtype=torch.bfloat16, device=dev
+    )
     for k, v in zip(kv.k, kv.v):
         k.normal_()
         v.normal_()
@@ -78,12 +85,26 @@ def test_graph_replay_equals_eager_forward():
         cu.append(len(pos))
         lens.append(c + n)
     t = lambda x, dt: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
-    meta = AttnMetadata(t(pos, torch.int64), t(slots, torch.int64), t(cu, torch.int32),
-                        t(lens, torch.int32), t(tables, torch.int32)[:, :96], max_q_len=4)
+    meta = AttnMetadata(
+        t(pos, torch.int64),
+        t(slots, torch.int64),
+        t(cu, torch.int32),
+        t(lens, torch.int32),
+        t(tables, torch.int32)[:, :96],
+        max_q_len=4,
+    )
     ids = torch.randint(0, model.config.vocab_size, (len(pos),), device=dev)
     eager = model.logits(model.forward(ids, meta, kv.k, kv.v))
-    replay = graphs.run(16, ids, meta.positions, meta.slot_mapping, meta.cu_q_lens,
-                        meta.seq_lens, meta.block_tables, max_q_len=4)
+    replay = graphs.run(
+        16,
+        ids,
+        meta.positions,
+        meta.slot_mapping,
+        meta.cu_q_lens,
+        meta.seq_lens,
+        meta.block_tables,
+        max_q_len=4,
+    )
     # The graph's wider block table may pick another KV split count than the eager call: the
     # fp32 merge order differs, so compare as bf16 forwards through 28 layers compare.
     rel = (replay - eager).norm() / eager.norm()

@@ -36,9 +36,13 @@ class PagedRunner:
     def __init__(self, model, num_seqs, max_len=256):
         self.model = model
         blocks_per_seq = max_len // BLOCK
-        self.kv = KVCache.allocate(model.config, num_blocks=num_seqs * blocks_per_seq + 3,
-                                   block_size=BLOCK, dtype=torch.float32,
-                                   device=torch.device("cpu"))
+        self.kv = KVCache.allocate(
+            model.config,
+            num_blocks=num_seqs * blocks_per_seq + 3,
+            block_size=BLOCK,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
         perm = torch.randperm(num_seqs * blocks_per_seq, generator=torch.Generator().manual_seed(1))
         self.tables = (perm + 3).view(num_seqs, blocks_per_seq).to(torch.int32)
         self.lens = [0] * num_seqs
@@ -58,14 +62,16 @@ class PagedRunner:
             seqs.append(s)
             self.lens[s] += len(toks)
         meta = AttnMetadata(
-            positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
+            positions=torch.tensor(pos),
+            slot_mapping=torch.tensor(slots),
             cu_q_lens=torch.tensor(cu, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_tables=self.tables[seqs],
         )
-        logits = self.model.logits(self.model.forward(torch.tensor(ids), meta, self.kv.k,
-                                                      self.kv.v))
-        return [logits[cu[i]:cu[i + 1]] for i in range(len(seqs))]
+        logits = self.model.logits(
+            self.model.forward(torch.tensor(ids), meta, self.kv.k, self.kv.v)
+        )
+        return [logits[cu[i] : cu[i + 1]] for i in range(len(seqs))]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -92,8 +98,9 @@ def test_ragged_batch_mixes_prefill_decode_and_multirow(model_dirs):
     model = load_model(model_dirs["qwen3"], dtype="float32")
     hf = _hf(model_dirs["qwen3"])
     g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
-            for n in (40, 25, 33)]
+    seqs = [
+        torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (40, 25, 33)
+    ]
     r = PagedRunner(model, 3)
     r.run({0: seqs[0][:30], 1: seqs[1][:20], 2: seqs[2][:17]})
     # one forward: seq 0 gets a 10-row group, seq 1 a single AR row, seq 2 a 16-row chunk
@@ -108,8 +115,13 @@ def test_ragged_batch_mixes_prefill_decode_and_multirow(model_dirs):
     "rope",
     [
         {"rope_type": "linear", "factor": 2.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 64},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
     ],
     ids=lambda r: r["rope_type"],

@@ -16,9 +16,31 @@ from tests.fixtures.tiny_models import make_tiny_model
 def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeypatch):
     model = make_tiny_model(tmp_path / "m", "llama")
     out = tmp_path / "profile.json"
-    rc = cli_main(["profile", "--model", str(model), "--draft", "ngram", "--device", "cpu",
-                   "--max-concurrency", "4", "--spec-depth", "4", "--kv-cache-memory", "16MiB",
-                   "--rows", "1,2,8", "--kv-lens", "16,64", "--repeats", "1", "--out", str(out)])
+    rc = cli_main(
+        [
+            "profile",
+            "--model",
+            str(model),
+            "--draft",
+            "ngram",
+            "--device",
+            "cpu",
+            "--max-concurrency",
+            "4",
+            "--spec-depth",
+            "4",
+            "--kv-cache-memory",
+            "16MiB",
+            "--rows",
+            "1,2,8",
+            "--kv-lens",
+            "16,64",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     prof = json.loads(out.read_text())
     rows = [r for r, _ in prof["target"]["rows_ms"]]
@@ -33,11 +55,23 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
 
     # the engine finds the profile in the cache by its key
     monkeypatch.setattr(profiler, "CACHE_DIR", tmp_path / "cache")
-    cfg = EngineConfig(model=str(model), draft="ngram", device="cpu", max_concurrency=4,
-                       spec_depth=4, kv_cache_memory="16MiB")
+    cfg = EngineConfig(
+        model=str(model),
+        draft="ngram",
+        device="cpu",
+        max_concurrency=4,
+        spec_depth=4,
+        kv_cache_memory="16MiB",
+    )
     engine = Engine(cfg)
-    key = profiler.profile_key(str(engine.target_dir), engine.draft_spec, engine.device,
-                               engine.target.dtype, cfg.block_size, cfg.max_concurrency)
+    key = profiler.profile_key(
+        str(engine.target_dir),
+        engine.draft_spec,
+        engine.device,
+        engine.target.dtype,
+        cfg.block_size,
+        cfg.max_concurrency,
+    )
     cached = profiler.cached_profile_path(key)
     cached.parent.mkdir(parents=True)
     cached.write_text(out.read_text())
@@ -52,5 +86,8 @@ def test_bad_profile_path_is_a_clear_error(tmp_path):
     import pytest
 
     with pytest.raises(ValueError, match="cannot read cost profile"):
-        Engine(EngineConfig(model=str(model), device="cpu", kv_cache_memory="16MiB",
-                            cost_profile=str(bad)))
+        Engine(
+            EngineConfig(
+                model=str(model), device="cpu", kv_cache_memory="16MiB", cost_profile=str(bad)
+            )
+        )

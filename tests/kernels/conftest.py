@@ -14,7 +14,13 @@ import torch
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("kernels.arch", "kernels.attention", "kernels.rope_kv", "kernels.norms",
-                  "kernels.argmax", "kernels.accept"):
+    for _name in (
+        "kernels.arch",
+        "kernels.attention",
+        "kernels.rope_kv",
+        "kernels.norms",
+        "kernels.argmax",
+        "kernels.accept",
+    ):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])

@@ -64,8 +64,11 @@ def test_greedy_accept_matches_reference(row_counts, max_rows, match_prob, seed)
     cu = _rows(row_counts)
     num_rows = sum(row_counts)
     target = torch.randint(0, 50, (num_rows,), generator=gen)
-    draft = torch.where(torch.rand(num_rows, generator=gen) < match_prob, target,
-                        torch.randint(0, 50, (num_rows,), generator=gen))
+    draft = torch.where(
+        torch.rand(num_rows, generator=gen) < match_prob,
+        target,
+        torch.randint(0, 50, (num_rows,), generator=gen),
+    )
     got = accept_greedy(target.to(DEV), draft.to(DEV), cu, max_rows=max_rows)
     want = accept_greedy_ref(target, draft, cu.cpu(), max_rows=max_rows)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
@@ -101,8 +104,11 @@ def test_rejection_accept_matches_reference(row_counts, vocab, with_draft_probs,
     p = _dists(num_rows, vocab, gen, 2.0)
     q = _dists(num_rows, vocab, gen, 2.0) if with_draft_probs else None
     sampler = q if q is not None else p
-    drafts = torch.multinomial(sampler.cpu(), 1, generator=gen).squeeze(1) if num_rows else (
-        torch.zeros(0, dtype=torch.int64))
+    drafts = (
+        torch.multinomial(sampler.cpu(), 1, generator=gen).squeeze(1)
+        if num_rows
+        else (torch.zeros(0, dtype=torch.int64))
+    )
     u = torch.rand(num_rows, generator=gen)
     ru = torch.rand(num_rows, generator=gen)
     args = (p, q, drafts.to(DEV), cu, u.to(DEV), ru.to(DEV))
@@ -132,8 +138,13 @@ def test_rejection_accept_keeps_the_target_distribution(with_draft_probs):
     u, ru = torch.rand(2 * trials, generator=gen), torch.rand(2 * trials, generator=gen)
     accept = accept_rejection if DEV == "cuda" else accept_rejection_ref
     _, out = accept(
-        p.to(DEV), None if q is None else q.to(DEV), draft_ids.to(DEV), cu.to(DEV), u.to(DEV),
-        ru.to(DEV), max_rows=2,
+        p.to(DEV),
+        None if q is None else q.to(DEV),
+        draft_ids.to(DEV),
+        cu.to(DEV),
+        u.to(DEV),
+        ru.to(DEV),
+        max_rows=2,
     )
     freq = torch.bincount(out[:, 0].cpu().long(), minlength=vocab).double() / trials
     assert (freq - p1.double()).abs().max() < 0.025  # ~4 standard errors at 6000 draws

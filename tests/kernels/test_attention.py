@@ -60,9 +60,16 @@ def test_ragged_batches_match_reference(
 ):
     num_kv_heads = 2 if gqa < 8 else 1
     batch = ragged_batch(
-        [r for r, _ in seqs], [c for _, c in seqs], num_q_heads=num_kv_heads * gqa,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
-        device=DEV, pad_rows=pad_rows, seed=seed,
+        [r for r, _ in seqs],
+        [c for _, c in seqs],
+        num_q_heads=num_kv_heads * gqa,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        device=DEV,
+        pad_rows=pad_rows,
+        seed=seed,
     )
     _check(batch, pad_rows=pad_rows, num_splits=num_splits, max_q_len=max_q_len)
 
@@ -70,16 +77,28 @@ def test_ragged_batches_match_reference(
 def test_odd_group_and_head_dim():
     # GQA 3 and head_dim 80 are not powers of two: both get padded and masked.
     batch = ragged_batch(
-        [5, 1], [33, 70], num_q_heads=6, num_kv_heads=2, head_dim=80, page_size=8,
-        dtype=torch.float32, device=DEV,
+        [5, 1],
+        [33, 70],
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=80,
+        page_size=8,
+        dtype=torch.float32,
+        device=DEV,
     )
     _check(batch, num_splits=2, max_q_len=8)
 
 
 def test_per_row_tiles_equal_shared_tiles():
     batch = ragged_batch(
-        [8, 3], [50, 90], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
-        dtype=torch.float32, device=DEV,
+        [8, 3],
+        [50, 90],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype=torch.float32,
+        device=DEV,
     )
     shared = _check(batch, max_q_len=8, num_splits=1)
     per_row = _check(batch, rows_per_tile=1, num_splits=1)
@@ -88,15 +107,27 @@ def test_per_row_tiles_equal_shared_tiles():
 
 def test_long_context_many_splits():
     batch = ragged_batch(
-        [2], [600], num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16,
-        dtype=torch.float32, device=DEV,
+        [2],
+        [600],
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+        dtype=torch.float32,
+        device=DEV,
     )
     _check(batch, num_splits=16, max_q_len=2)
 
 
 def test_rejects_mismatched_dtypes():
     q, k, v, cu, lens, bt = ragged_batch(
-        [1], [3], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=4, dtype=torch.float32,
+        [1],
+        [3],
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=4,
+        dtype=torch.float32,
     )
     with pytest.raises(AssertionError):
         verify_attention(q.half(), k, v, cu, lens, bt, 0.1)
@@ -141,8 +172,14 @@ def test_sixteen_rows_of_gqa8_take_two_tiles_under_a_64_vector_cap():
 def test_two_tiles_of_one_sequence_match_reference():
     # 16 rows x GQA 8 under a 64-vector cap: two 8-row tiles per 16-row sequence.
     batch = ragged_batch(
-        [16, 1, 16], [90, 40, 0], num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=16,
-        dtype=torch.float32, device=DEV,
+        [16, 1, 16],
+        [90, 40, 0],
+        num_q_heads=8,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+        dtype=torch.float32,
+        device=DEV,
     )
     _check(batch, rows_per_tile=8, num_splits=1)
     _check(batch, rows_per_tile=8, num_splits=3)

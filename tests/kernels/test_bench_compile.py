@@ -59,8 +59,15 @@ def test_tune_table_has_a_line_per_setting():
     recs = []
     for changes, ms in (({}, 0.2), ({"num_stages": 3}, 0.25)):
         recs.append(
-            {"batch": 16, "ctx": 8192, "rows": 16, "gqa": 8, "ours_ms": ms,
-             "ours_frac_copy": 0.5, "changes": changes}
+            {
+                "batch": 16,
+                "ctx": 8192,
+                "rows": 16,
+                "gqa": 8,
+                "ours_ms": ms,
+                "ours_frac_copy": 0.5,
+                "changes": changes,
+            }
         )
     recs.append({"batch": 1, "ctx": 32768, "rows": 8, "gqa": 8, "error": "x", "changes": {}})
     table = bench.tune_table(recs)

@@ -35,8 +35,16 @@ def test_verify_attention_bf16_ragged(gqa, head_dim, num_splits):
     ctx_lens = [4000, 37, 1500, 700, 0, 0, 3000, 15]
     num_kv_heads = 8 if gqa < 8 else 4
     batch = ragged_batch(
-        q_lens, ctx_lens, num_q_heads=num_kv_heads * gqa, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, page_size=16, dtype=BF16, device=DEV, pad_rows=3, seed=gqa,
+        q_lens,
+        ctx_lens,
+        num_q_heads=num_kv_heads * gqa,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=16,
+        dtype=BF16,
+        device=DEV,
+        pad_rows=3,
+        seed=gqa,
     )
     scale = 1 / math.sqrt(head_dim)
     out = torch.full_like(batch[0], float("nan"))
@@ -49,8 +57,14 @@ def test_verify_attention_bf16_ragged(gqa, head_dim, num_splits):
 
 def test_verify_attention_per_row_matches_tiled():
     batch = ragged_batch(
-        [16] * 4, [8000] * 4, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-        dtype=BF16, device=DEV,
+        [16] * 4,
+        [8000] * 4,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        dtype=BF16,
+        device=DEV,
     )
     tiled = verify_attention(*batch, 0.088, max_q_len=16)
     per_row = verify_attention(*batch, 0.088, rows_per_tile=1)
@@ -59,8 +73,14 @@ def test_verify_attention_per_row_matches_tiled():
 
 def test_verify_attention_graph_capture():
     batch = ragged_batch(
-        [8, 1, 0], [900, 3000, 0], num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-        dtype=BF16, device=DEV,
+        [8, 1, 0],
+        [900, 3000, 0],
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        dtype=BF16,
+        device=DEV,
     )
     out = torch.empty_like(batch[0])
     verify_attention(*batch, 0.088, out)  # compile outside the capture
@@ -88,8 +108,9 @@ def test_rope_and_write_kv_bf16(rot_dim, is_neox):
     vc = torch.randn_like(kc)
     clones = [t.clone() for t in (q, k, kc, vc)]
     rope_and_write_kv(q, k, v, pos, cs, slots, kc, vc, is_neox=is_neox)
-    rope_and_write_kv_ref(clones[0], clones[1], v, pos, cs, slots, clones[2], clones[3],
-                          is_neox=is_neox)
+    rope_and_write_kv_ref(
+        clones[0], clones[1], v, pos, cs, slots, clones[2], clones[3], is_neox=is_neox
+    )
     for got, want in zip((q, k, kc, vc), clones):
         assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
 
@@ -137,8 +158,7 @@ def test_accept_on_gpu():
     p = torch.softmax(torch.randn(rows, vocab, device=DEV), -1)
     drf = torch.multinomial(p, 1).squeeze(1)
     u = torch.rand(rows, device=DEV) * 0.999
-    num_acc, out = accept_rejection(p, p, drf, cu, u, torch.rand(rows, device=DEV),
-                                    max_rows=depth)
+    num_acc, out = accept_rejection(p, p, drf, cu, u, torch.rand(rows, device=DEV), max_rows=depth)
     assert (num_acc == depth - 1).all()
     assert torch.equal(out[:, : depth - 1].long(), drf.view(seqs, depth)[:, :-1])
     assert ((out[:, -1] >= 0) & (out[:, -1] < vocab)).all()

@@ -61,8 +61,9 @@ def test_rope_and_write_kv_matches_reference(
     wq = want_qkv[:, : num_q_heads * head_dim].view(n, num_q_heads, head_dim)
     wk = want_qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim]
     wk = wk.view(n, num_kv_heads, head_dim)
-    rope_and_write_kv_ref(wq, wk, v.clone(), positions, cos_sin, slots, want_k, want_v,
-                          is_neox=is_neox)
+    rope_and_write_kv_ref(
+        wq, wk, v.clone(), positions, cos_sin, slots, want_k, want_v, is_neox=is_neox
+    )
     rope_and_write_kv(q, k, v, positions, cos_sin, slots, k_cache, v_cache, is_neox=is_neox)
     for got, want in ((qkv, want_qkv), (k_cache, want_k), (v_cache, want_v)):
         assert (got.float() - want.float()).abs().max() <= TOL[dtype] * 10
