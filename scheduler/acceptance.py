@@ -112,8 +112,8 @@ class AcceptanceEstimator:
         # The global prior learns from first positions only: they are observed on every
         # speculating request, while deeper ones only on chains that survived so far. Fed with
         # whole chains, the prior drifted below the observed first-position acceptance in the
-        # simulator (mixed cohort: 0.64 against an observed 0.66 to 0.69), enough to keep a
-        # batch of 256 in AR at its break-even.
+        # simulator (mixed cohort, C = 256: 0.64 against 0.66 observed on first positions),
+        # enough to keep a batch of 256 in AR at its break-even.
         first = b * np.where((num_accepted > 0)[:, None], self.levels, 1.0 - self.levels)
         first /= first.sum(1, keepdims=True)  # [n, L]
         num_observed = np.minimum(num_accepted + 1, num_drafted)  # [n]

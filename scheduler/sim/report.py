@@ -185,7 +185,7 @@ def render_markdown(payload: dict) -> str:
         out.append("")
         out.extend(f"- {m}" for m in checks["misses"])
     else:
-        out.append("All target checks pass at every grid point:")
+        out.append("All target checks pass at every grid point.")
     out.append("")
     out.append("The targets:")
     out.append("")
@@ -258,11 +258,22 @@ def render_markdown(payload: dict) -> str:
         f"process on {payload['machine']}."
     )
     out.append("")
-    out.append("| median us/round | mean | p90 | of which the depth decision (median) |")
-    out.append("|---|---|---|---|")
+    runs = bench.get("runs_plan_us_median", [bench["plan_us_median"]])
+    out.append(
+        "| median us/round | mean | p90 | of which the depth decision (median) "
+        "| medians of all runs |"
+    )
+    out.append("|---|---|---|---|---|")
     out.append(
         f"| {bench['plan_us_median']:.0f} | {bench['plan_us_mean']:.0f} | "
-        f"{bench['plan_us_p90']:.0f} | {bench['decide_us_median']:.0f} |"
+        f"{bench['plan_us_p90']:.0f} | {bench['decide_us_median']:.0f} | "
+        + ", ".join(f"{r:.0f}" for r in sorted(runs))
+        + " |"
+    )
+    out.append("")
+    out.append(
+        f"The table shows the run with the median of {len(runs)} runs (one process each, "
+        "one after another)."
     )
     out.append("")
     target_note = (
@@ -300,14 +311,20 @@ def render_markdown(payload: dict) -> str:
 
 
 PLAN_COST_NOTE = (
-    "The decision is a fixed sequence of numpy operations (survival curves over a 10-level "
-    "grid, one sort of the n x 7 draft positions, cumulative sums and cost lookups over a "
-    "[7, n x 7] grid of candidate prefixes). The bookkeeping is plain Python per live "
-    "request: one `ReqPlan` (the round contract holds one per request), its KV block check "
-    "and its state for the policy. "
-    "Reaching 100 us would need the per-request state kept in arrays end to end and a "
-    "cheaper candidate search (e.g. evaluating prefixes only at graph-bucket boundaries), "
-    "which this code does not do."
+    "Survival curves are one [n, 10] x [10, 7] product (the estimator's recursion is linear "
+    "in the belief; its matrix is rebuilt only when the prior moves). The depth decision is "
+    "one stable sort of the n x 7 draft positions and, per chain cap, a dozen array "
+    "operations over that cap's ranked positions; it makes the same choices as the earlier "
+    "search over a [7, n x 7] grid of candidate prefixes, which with survival recomputed per "
+    "request and per-request KV method calls measured 1486 us median per round over 5 runs "
+    "(1469 to 1537) on the same machine and benchmark. Inside the benchmark loop the sort "
+    "alone took about 100 us (21 us when timed on its own: the simulator's work between "
+    "rounds leaves the caches cold). The bookkeeping is plain Python per live request: one "
+    "`ReqPlan` with its new KV block ids (the round contract holds one per request), the "
+    "KV check of its drafts and one row of the policy's table. Reaching 100 us needs that "
+    "per-request work out of the interpreter (per-slot arrays end to end, built "
+    "incrementally by update()) and a search that skips caps and prefixes that cannot win; "
+    "this code does neither."
 )
 
 NOTES = """\
@@ -317,11 +334,23 @@ NOTES = """\
   amortised catch-up charge (`scheduler/policy.py`) to value staying caught up.
 - The policy maximises `expected tokens - rate_bar x predicted ms` per round, where
   `rate_bar` is the realised long-run rate relative to the batch's all-AR rate (floored at
-  the AR rate). Maximising each round's own tokens/ms instead compares a draft position
-  with the rate of that very round: it over-speculates while requests are in hard stretches
-  and under-speculates in easy ones (see `scheduler/depth_planner.py`).
+  the AR rate), learned from decode-only rounds. Maximising each round's own tokens/ms
+  instead compares a draft position with the rate of that very round: it over-speculates
+  while requests are in hard stretches and under-speculates in easy ones (see
+  `scheduler/depth_planner.py`).
 - The oracle uses the same planner with the true hidden state and the true cost curve; the
   remaining gap to it is the cost of estimating acceptance from outcomes.
+- Mixed cohort at C = 256 is the closest point: one draft for every request fills the
+  512-row graph bucket and sits near break-even against AR while contexts are short.
+  Three estimation and pricing biases kept the whole batch in AR there for a long stretch
+  after each wave of prefills (218 of 560 full-live rounds), and every AR round grew the
+  drafter's catch-up, which made the way back dearer: the rate bar also learned from
+  prefill rounds (1.9x the AR rate, where drafts ride on an eager prefill forward), the
+  global prior learned from whole chains (first-position survival 0.64 against 0.66
+  observed on first positions over the same rounds) and the amortised catch-up was
+  rounded up to a whole row per request and round. With the bar from decode-only rounds,
+  the prior from first positions and the catch-up rounded to nearest, 93 of 449 full-live
+  rounds there are all-AR.
 - `threshold` uses the cohort's true mean acceptance from the acceptance file for its
   offline table, so it is a strong baseline on the single-class cohorts."""
 
@@ -333,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--acceptance", default=str(PROFILES / "acceptance.json"))
     p.add_argument("--out-dir", default=str(REPO / "docs" / "perf"))
     p.add_argument("--bench-rounds", type=int, default=300)
+    p.add_argument("--bench-repeats", type=int, default=5, help="plan() benchmark runs")
     args = p.parse_args(argv)
     params = {
         "profile": "scheduler/profiles/h200-qwen3-8b.json",
@@ -361,9 +391,15 @@ def main(argv: list[str] | None = None) -> int:
             noise_sigma=params["noise"],
         )
     print(format_table(results))
-    bench = bench_plan(
-        256, 64, args.bench_rounds, profile_path=args.profile, acceptance_path=args.acceptance
-    )
+    # The machine may be shared: repeat the benchmark and report the median run and the spread.
+    bench_runs = [
+        bench_plan(
+            256, 64, args.bench_rounds, profile_path=args.profile, acceptance_path=args.acceptance
+        )
+        for _ in range(max(args.bench_repeats, 1))
+    ]
+    bench = sorted(bench_runs, key=lambda b: b["plan_us_median"])[len(bench_runs) // 2]
+    bench = dict(bench, runs_plan_us_median=[b["plan_us_median"] for b in bench_runs])
     weights = {"a": 1.0, "b": 2.0, "c": 3.0}
     fair = run_saturated(
         ProfileCost.from_file(args.profile),
