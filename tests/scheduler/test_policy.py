@@ -203,3 +203,31 @@ def test_estimator_learns_per_request():
     assert abs(est.survival(np.array([1]))[0, 0] - est.survival(np.array([0]))[0, 0]) < 0.05
     est.reset(1)
     assert np.allclose(est.belief[1], est.prior)
+
+
+def test_rate_bar_learns_from_decode_only_rounds():
+    """Next to a prefill chunk drafts ride on an eager forward almost for free; the uplift of
+    such rounds must not become the price a decode round's drafts have to pay."""
+    cfg = SchedulerConfig(max_concurrency=8, spec_depth=8, max_prefill_tokens=64)
+    sched = Scheduler(cfg, 20000, CostModel(PROFILE))
+    ex = SimExecutor(PROFILE, EASY, cfg.max_concurrency, seed=0)
+    for spec in specs(8):
+        sched.add_request(spec)
+    tracker = sched.rate_tracker
+    now = 0.0
+    num_mixed = num_decode_fed = 0
+    for _ in range(40):
+        before = (tracker._tokens, tracker._ar_tokens)
+        plan = sched.plan(now)
+        result = ex.run(plan)
+        now += result.timings.total_ms / 1e3
+        sched.update(result, now)
+        fed = (tracker._tokens, tracker._ar_tokens) != before
+        if not plan.is_decode_only:
+            assert not fed, plan.route
+            num_mixed += "S" in plan.route
+        else:
+            num_decode_fed += fed
+    assert num_mixed > 0  # rounds with a prefill chunk and speculating decoders happened
+    assert num_decode_fed > 20
+    assert tracker.uplift > 1.2  # easy requests: speculation beats AR in decode rounds

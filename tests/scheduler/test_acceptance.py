@@ -1,0 +1,63 @@
+"""Acceptance estimator: survival as a linear map of the belief, and the prior's learning."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.acceptance import LEVELS, SWITCH, AcceptanceEstimator
+
+
+def recursive_survival(est: AcceptanceEstimator, belief: np.ndarray) -> np.ndarray:
+    """The module doc's forward recursion, one belief row at a time."""
+    out = np.empty((belief.shape[0], est.max_drafts))
+    for i, b in enumerate(belief):
+        v = b.copy()
+        for j in range(est.max_drafts):
+            v = v * LEVELS
+            s = v.sum()
+            out[i, j] = s
+            v = (1.0 - SWITCH) * v + SWITCH * s * est.prior
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    max_drafts=st.integers(1, 9),
+    prior_acceptance=st.floats(0.1, 0.95),
+    num_rounds=st.integers(0, 6),
+)
+def test_survival_matrix_equals_the_recursion(seed, max_drafts, prior_acceptance, num_rounds):
+    rng = np.random.default_rng(seed)
+    num_slots = 6
+    est = AcceptanceEstimator(num_slots, max_drafts, prior_acceptance)
+    for _ in range(num_rounds):  # outcomes move beliefs and the prior (and drop the cache)
+        slots = rng.choice(num_slots, size=3, replace=False)
+        drafted = rng.integers(1, max_drafts + 1, size=3)
+        est.observe(slots, drafted, rng.integers(0, drafted + 1))
+        est.decay()
+    slots = np.arange(num_slots)
+    expected = recursive_survival(est, est.belief[slots])
+    assert np.allclose(est.survival(slots), expected, rtol=1e-12, atol=1e-15)
+    belief = rng.dirichlet(np.ones(len(LEVELS)), size=4)
+    assert np.allclose(est._survival(belief), recursive_survival(est, belief), atol=1e-15)
+
+
+def test_prior_moves_with_first_positions_and_beliefs_with_whole_chains():
+    """Deeper positions are only observed on chains that survived so far, so one round's
+    update of the global prior uses its first-position outcomes; each request's own belief
+    uses the whole chain."""
+    short_chains = AcceptanceEstimator(num_slots=8, max_drafts=7)
+    long_chains = AcceptanceEstimator(num_slots=8, max_drafts=7)
+    slots = np.arange(8)
+    drafted = np.full(8, 7)
+    short_chains.observe(slots, drafted, np.ones(8, dtype=np.int64))  # pass 1, fail 2
+    long_chains.observe(slots, drafted, np.full(8, 7))  # pass all 7
+    assert np.allclose(short_chains.prior, long_chains.prior)
+    assert (short_chains.survival(slots)[:, 0] < long_chains.survival(slots)[:, 0] - 0.1).all()
+    # and the first positions do move it: all rejected against all accepted
+    rejected = AcceptanceEstimator(num_slots=8, max_drafts=7)
+    rejected.observe(slots, drafted, np.zeros(8, dtype=np.int64))
+    assert rejected.global_acceptance()[0] < long_chains.global_acceptance()[0] - 0.03
