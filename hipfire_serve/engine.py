@@ -133,7 +133,7 @@ def resolve_model_dirs(config: EngineConfig) -> tuple[Path, str]:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, tenants: Sequence = ()):
+    def __init__(self, config: EngineConfig, tenants: Sequence = (), *, warmup: bool = True):
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
@@ -195,27 +195,54 @@ class Engine:
             graphs=config.graphs,
             max_graph_rows=slots * config.spec_depth,
         )
-        self.scheduler = Scheduler(
+        self._tenants = tuple(tenants)
+        self._next_id = 0
+        self._requests: dict[str, _Request] = {}
+        self._choices: dict[int, _Choice] = {}
+        self._rounds: list[RoundStats] = []
+        self._num_switches = 0
+        self.scheduler = self._make_scheduler(config.spec_mode, self._load_cost_model())
+        if warmup:
+            self._warmup()
+
+    def _make_scheduler(self, spec_mode: str, cost_model: CostModel | None) -> Scheduler:
+        config = self.config
+        return Scheduler(
             SchedulerConfig(
-                max_concurrency=slots,
+                max_concurrency=config.max_concurrency,
                 max_queue=config.max_queue,
-                spec_mode=config.spec_mode if self.drafter is not None else "ar",
+                spec_mode=spec_mode if self.drafter is not None else "ar",
                 spec_depth=config.spec_depth,
                 block_size=config.block_size,
                 max_prefill_tokens=config.max_prefill_tokens,
                 max_model_len=self.max_model_len,
                 has_drafter=self.drafter is not None,
             ),
-            num_kv_blocks=num_blocks,
-            cost_model=self._load_cost_model(),
-            tenants=tenants,
+            num_kv_blocks=self.num_kv_blocks,
+            cost_model=cost_model,
+            tenants=self._tenants,
             stop_checker=self._check_stop_strings,
         )
-        self._next_id = 0
-        self._requests: dict[str, _Request] = {}
-        self._choices: dict[int, _Choice] = {}
-        self._rounds: list[RoundStats] = []
+
+    def _warmup(self) -> None:
+        """Runs one short request through prefill, AR and (with a drafter) speculative rounds
+        before serving, so one-time costs (allocator growth, kernel compilation, graph capture
+        of small buckets) never reach the cost model's calibration or a client's latency. The
+        scheduler used for it is then replaced by a fresh one: nothing of the warm-up is kept."""
+        serving = self.scheduler
+        self.scheduler = self._make_scheduler("spec", None)
+        vocab = self.target.config.vocab_size
+        prompt = [(7 * i + 3) % vocab for i in range(2 * self.config.block_size + 3)]
+        params = SamplingParams(
+            max_tokens=2 * self.config.spec_depth + 2, temperature=0.0, ignore_eos=True
+        )
+        self.add_request("__warmup__", prompt, params)
+        while self.has_unfinished():
+            self.step()
+        self.scheduler = serving
+        self._rounds.clear()
         self._num_switches = 0
+        self._next_id = 0
 
     # -- set-up helpers ---------------------------------------------------------------------
     def _random_model(self, spec: str, seed: int = 0) -> Model:
