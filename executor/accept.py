@@ -11,15 +11,22 @@ with p the target's processed distribution at row j-1 and q the draft's at posit
     accept x_j with probability min(1, p(x_j) / q(x_j))      (test: u * q(x_j) < p(x_j));
     on rejection emit a sample of normalise(max(p - q, 0)) and stop;
     if every draft is accepted, emit a sample of p at row d (the bonus).
-The emitted sequence then has exactly the target's distribution. A drafter without probabilities
-is a point mass q = 1{x_j}: accept with probability p(x_j), on rejection sample p with x_j
-removed.
+The emitted sequence then has exactly the target's distribution.
 
-Everything is computed for all rows at once on the device; four small vectors go to the host
-(argmax, plain draw, accept flag and residual draw per row), which then walks each group's
-prefix. Random numbers come from the counter-based generator keyed by (seed, position of the
-token, purpose): a seeded request gives the same output whatever the batch, and AR rows and the
-bonus draw of a fully accepted group use the same numbers for the same position.
+A drafter without probabilities (prompt lookup) is a point mass q = 1{x_j}; the rule becomes
+accept with probability p(x_j), on rejection emit a sample of p with x_j removed. It is realised
+with the same numbers plain decoding uses: the target's own draw y_j at row j-1 (the exponential
+race below, keyed by the token's position) is taken, and x_j is accepted iff x_j == y_j. That
+happens with probability p(x_j), and on a mismatch y_j is a draw of p conditioned on not being
+x_j, so the rule holds exactly, and the emitted tokens are the very tokens plain decoding would
+have drawn with that seed: a seeded request's output does not depend on the route.
+
+Everything is computed for all rows at once on the device; small vectors go to the host (per
+row the argmax, the plain draw, and for drafts with a distribution the accept flag and the
+residual draw), which then walks each group's prefix. Random numbers come from the
+counter-based generator keyed by (seed, position of the token, purpose): a seeded request gives
+the same output whatever the batch, and AR rows and the bonus draw of a fully accepted group use
+the same numbers for the same position.
 """
 
 from __future__ import annotations
@@ -119,18 +126,14 @@ def accept_batch(inp: AcceptInputs, sampler) -> list[Accepted]:
     if not st.all_greedy:
         probs = sampling.process_logits(logits, st)  # [L, V]
         host["draw"] = sampling.sample_from_probs(probs, st, Stream.SAMPLE)  # [L]
-        if inp.drafts:
+        q = _draft_rows(inp, num_rows, vocab, dev) if inp.drafts else None
+        if q is not None:  # drafts with a distribution: the rejection test
             nxt = torch.tensor(rows.next_draft, dtype=torch.int64).to(dev, non_blocking=True)
             has_next = nxt >= 0  # [L]
             x = nxt.clamp(min=0)[:, None]  # [L, 1]
             p_x = probs.gather(1, x)[:, 0]  # [L]
-            q = _draft_rows(inp, num_rows, vocab, dev)
-            if q is None:  # point-mass drafter
-                q_x = torch.ones_like(p_x)
-                residual = probs.scatter(1, x, 0.0)  # p with x removed
-            else:
-                q_x = q.gather(1, x)[:, 0]
-                residual = (probs - q).clamp(min=0.0)
+            q_x = q.gather(1, x)[:, 0]
+            residual = (probs - q).clamp(min=0.0)
             u = sampling.uniforms(st, 1, Stream.ACCEPT)[:, 0]  # [L]
             host["accept"] = has_next & (u * q_x < p_x)
             host["residual"] = sampling.sample_from_probs(residual, st, Stream.RESIDUAL)
@@ -162,13 +165,19 @@ def accept_batch(inp: AcceptInputs, sampler) -> list[Accepted]:
             while n_acc < d and drafts[n_acc] == greedy_ids[row + n_acc]:
                 n_acc += 1
             tokens = [*drafts[:n_acc], greedy_ids[row + n_acc]]
-        else:
+        elif "accept" in out_host:
             acc = out_host["accept"]
             n_acc = 0
             while n_acc < d and acc[row + n_acc]:
                 n_acc += 1
             last = out_host["draw"][row + d] if n_acc == d else out_host["residual"][row + n_acc]
             tokens = [*drafts[:n_acc], last]
+        else:  # point-mass drafts: matched against the target's own draws (module doc)
+            draw = out_host["draw"]
+            n_acc = 0
+            while n_acc < d and drafts[n_acc] == draw[row + n_acc]:
+                n_acc += 1
+            tokens = [*drafts[:n_acc], draw[row + n_acc]]
         results.append(Accepted(token_ids=tokens, num_accepted=n_acc))
         row += r.num_new
         spec_i += 1

@@ -122,3 +122,15 @@ def test_max_tokens_inside_an_accepted_run(model_dir):
         ].outputs[0]
         assert out.token_ids == ref.token_ids[:m] and out.finish_reason == "length"
     _idle(llm)
+
+
+def test_seeded_sampled_output_does_not_depend_on_the_route_with_prompt_lookup(model_dir):
+    """Prompt-lookup drafts are matched against the target's own seeded draws, so speculation
+    changes nothing a seeded request emits."""
+    p = SamplingParams(max_tokens=48, temperature=0.8, top_k=20, seed=11, ignore_eos=True)
+    ar = _llm(model_dir).generate(PROMPT, p)[0].outputs[0]
+    llm = _llm(model_dir, draft="ngram", spec_mode="spec", spec_depth=8)
+    spec = llm.generate(PROMPT, p)[0].outputs[0]
+    assert spec.num_draft_tokens > 0
+    assert spec.token_ids == ar.token_ids
+    _idle(llm)
