@@ -7,6 +7,7 @@ Policy (documented in docs/architecture.md, "Scheduler"):
   each tenant `live_slots * round_seconds / weight`. The next slot goes to the backlogged tenant
   (waiting requests, under its cap) with the smallest vtime: the one furthest behind its share.
   This is least-attained-weighted-service, the slot analogue of start-time fair queuing.
+  Equal vtimes go to the tenant with fewer live slots per weight.
 - A tenant that was idle re-enters at `max(own vtime, smallest vtime of the active tenants)`, so
   idling does not bank credit that would later starve the others.
 - A tenant at its `max_concurrency` is skipped (its requests wait) without blocking anyone else.
@@ -106,14 +107,16 @@ class FairAdmission:
     def peek(self) -> Request | None:
         """The request that would be admitted next (None when nobody may be admitted)."""
         best: _TenantState | None = None
+        best_key: tuple[float, float, float] | None = None
         for tenant in self._tenants.values():
             if not tenant.queue or tenant.at_cap:
                 continue
-            if best is None or (-tenant.spec.priority, tenant.vtime) < (
-                -best.spec.priority,
-                best.vtime,
-            ):
-                best = tenant
+            # Equal virtual times (a fresh start, or tenants re-entering at the same floor) are
+            # broken by live slots per weight: vtime only moves once a round is charged, so
+            # without it one plan would hand every free slot to the first tenant of the tie.
+            key = (-tenant.spec.priority, tenant.vtime, tenant.num_live / tenant.spec.weight)
+            if best_key is None or key < best_key:
+                best, best_key = tenant, key
         return best.queue[0] if best is not None else None
 
     def pop(self, req: Request) -> None:
