@@ -268,6 +268,10 @@ def build_profile(
     timer = RoundTimer(ex, engine.config.spec_depth)
     max_rows = ex.max_slots * engine.config.spec_depth
     rows = tuple(r for r in rows if r <= max_rows and (r <= ex.max_slots or ex.drafter))
+    # contexts the model can hold together with a round's rows
+    kv_lens = tuple(k for k in kv_lens if k + engine.config.spec_depth <= engine.max_model_len)
+    if not kv_lens:
+        raise ValueError(f"no profiled context fits --max-model-len {engine.max_model_len}")
     grid = []
     for kv_len in kv_lens:
         for n in rows:

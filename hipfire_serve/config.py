@@ -38,7 +38,11 @@ class EngineConfig:
     graphs: str = _f(
         "lazy", "CUDA/HIP graphs for decode rounds", choices=("lazy", "startup", "off")
     )
-    cost_profile: str = _f("auto", "scheduler cost profile JSON; 'auto' finds or builds one")
+    cost_profile: str = _f(
+        "auto",
+        "scheduler cost profile JSON; 'auto': the cached one for this set-up, else measured at "
+        "start-up on a GPU; 'build': measure at start-up and cache",
+    )
     acceptance_profile: str = _f(
         "", "acceptance profile JSON (only for --draft synthetic) and its cohort as FILE:COHORT"
     )

@@ -7,6 +7,7 @@ server drives it from one thread, the offline `LLM` API from the caller's.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -107,6 +108,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 RANDOM_PREFIX = "random:"
+# The start-up profile: coarser than `hipfire-serve profile` (a few seconds on a GPU).
+QUICK_PROFILE_ROWS = (1, 4, 16, 32, 64, 128, 256, 512)
+QUICK_PROFILE_KV_LENS = (16, 1024)
 
 
 class _TokenOnlyStream:
@@ -257,12 +261,13 @@ class Engine:
         return random_model(name, device=self.device, dtype=dtype, seed=seed, max_position=max_pos)
 
     def _load_cost_model(self) -> CostModel | None:
-        """The scheduler's cost model: the given profile, or for 'auto' the cached profile of
-        these models on this device (`hipfire-serve profile` writes it); None falls back to the
-        scheduler's flat default, which online calibration then corrects."""
+        """The scheduler's cost model. A path: that profile. 'auto': the cached profile of these
+        models on this device (`hipfire-serve profile` writes it); without one, on a GPU a quick
+        profile is measured now and cached, on a CPU the scheduler's flat default is used (online
+        calibration corrects it). 'build': measure and cache now, on any device."""
         path = self.config.cost_profile
-        if path == "auto":
-            from executor.profiler import cached_profile_path, profile_key
+        if path in ("auto", "build"):
+            from executor.profiler import build_profile, cached_profile_path, profile_key
 
             key = profile_key(
                 str(self.target_dir),
@@ -273,7 +278,17 @@ class Engine:
                 self.config.max_concurrency,
             )
             cached = cached_profile_path(key)
-            if not cached.is_file():
+            build = path == "build" or (not cached.is_file() and self.device.type == "cuda")
+            if build:
+                log.info("measuring the cost profile of this set-up (cached for next time)")
+                # (rows beyond slots x depth and contexts beyond the model are skipped there)
+                profile = build_profile(
+                    self, QUICK_PROFILE_ROWS, QUICK_PROFILE_KV_LENS, repeats=5, with_ceilings=False
+                )
+                profile["key"] = key
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_text(json.dumps(profile, indent=1))
+            elif not cached.is_file():
                 log.info("no cost profile cached for this set-up (run `hipfire-serve profile`)")
                 return None
             path = str(cached)

@@ -91,3 +91,27 @@ def test_bad_profile_path_is_a_clear_error(tmp_path):
                 model=str(model), device="cpu", kv_cache_memory="16MiB", cost_profile=str(bad)
             )
         )
+
+
+def test_build_measures_and_caches_a_profile_at_start_up(tmp_path, monkeypatch):
+    model = make_tiny_model(tmp_path / "m", "llama")
+    monkeypatch.setattr(profiler, "CACHE_DIR", tmp_path / "cache")
+    cfg = EngineConfig(
+        model=str(model),
+        draft="ngram",
+        device="cpu",
+        max_concurrency=4,
+        spec_depth=4,
+        kv_cache_memory="16MiB",
+        cost_profile="build",
+    )
+    engine = Engine(cfg)
+    cached = list((tmp_path / "cache").glob("*.json"))
+    assert len(cached) == 1
+    prof = json.loads(cached[0].read_text())
+    # rows up to slots x spec depth (16), contexts up to the model's 512 positions
+    assert [r for r, _ in prof["target"]["rows_ms"]] == [1, 4, 16]
+    assert engine.scheduler.cost_model.profile.name == prof["name"]
+    # 'auto' on a CPU uses the cached profile now
+    again = Engine(cfg.replace(cost_profile="auto"))
+    assert again.scheduler.cost_model.profile.name == prof["name"]
