@@ -134,3 +134,24 @@ def test_seeded_sampled_output_does_not_depend_on_the_route_with_prompt_lookup(m
     assert spec.num_draft_tokens > 0
     assert spec.token_ids == ar.token_ids
     _idle(llm)
+
+
+def test_a_failing_round_fails_only_its_requests_and_the_engine_keeps_serving(model_dir):
+    llm = _llm(model_dir, max_concurrency=2)
+    engine = llm.engine
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], p)
+    engine.step()  # a is prefilled and decoding
+    real_run = engine.executor.run
+
+    def broken(plan):
+        raise RuntimeError("device fault")
+
+    engine.executor.run = broken
+    outs = engine.step()
+    engine.executor.run = real_run
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("a", "error")]
+    # later requests are served normally and resources come back
+    out = llm.generate([[5, 6, 7]], p)[0].outputs[0]
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"
+    _idle(llm)
