@@ -236,14 +236,20 @@ class Engine:
         serving = self.scheduler
         self.scheduler = self._make_scheduler("spec", None)
         vocab = self.target.config.vocab_size
-        prompt = [(7 * i + 3) % vocab for i in range(2 * self.config.block_size + 3)]
-        params = SamplingParams(
-            max_tokens=2 * self.config.spec_depth + 2, temperature=0.0, ignore_eos=True
-        )
+        # a prompt across a block boundary, then enough tokens for prefill, AR and spec rounds,
+        # all within the context limit
+        prompt_len = max(1, min(2 * self.config.block_size + 3, self.max_model_len // 2))
+        prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
+        max_tokens = max(1, min(2 * self.config.spec_depth + 2, self.max_model_len - prompt_len))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.add_request("__warmup__", prompt, params)
+        failed = False
         while self.has_unfinished():
-            self.step()
+            for out in self.step():
+                failed |= any(c.finish_reason == "error" for c in out.outputs)
         self.scheduler = serving
+        if failed:  # a set-up that cannot run one round must not start serving
+            raise RuntimeError("the warm-up round failed on this device (the log has the error)")
         self._rounds.clear()
         self._num_switches = 0
         self._next_id = 0

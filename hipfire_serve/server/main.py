@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             from hipfire_serve.engine import Engine
 
             engine = Engine(engine_config, tenants=specs)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: warm-up, device OOM
         print(f"hipfire-serve serve: {exc}", file=sys.stderr)
         return 2
     built = build_server(engine, engine_config, server_config, tenants)
