@@ -218,18 +218,7 @@ def render_markdown(payload: dict) -> str:
                 f"| {c}{' (x)' if c in cx else ''} | {_fmt(r['all-ar']['full_live_tok_s'])} | "
                 f"{_fmt(r['all-spec']['full_live_tok_s'])} | {_fmt(a['full_live_tok_s'])} | "
                 f"{_fmt(r['oracle']['full_live_tok_s'])} | "
-                + " | ".join(
-                    f"{ratio[p]:.3f}"
-                    for p in (
-                        "all-ar",
-                        "all-spec",
-                        "threshold",
-                        "goodput",
-                        "sticky",
-                        "survival",
-                        "oracle",
-                    )
-                )
+                + " | ".join(f"{ratio[p]:.3f}" for p in POLICY_NAMES if p != "adaptive")
                 + f" | {a['route_mix_full_live'].get('S', 0):.2f} | "
                 f"{_fmt(a['mean_accepted_len'], 2)} |"
             )
