@@ -216,22 +216,37 @@ class RoundTimer:
         return statistics.median(times)
 
 
-def time_draft_steps(model: Model, rows: tuple[int, ...], repeats: int) -> list[list[float]]:
-    """One chain step of a draft model: forward of `n` single rows at a short context + argmax."""
+def time_draft_steps(
+    model: Model, rows: tuple[int, ...], repeats: int, graphs: bool = True
+) -> list[list[float]]:
+    """One chain step of a draft model: `n` single rows at a short context, forward + logits +
+    argmax, the way `DraftModelDrafter` runs it (a replayed decode graph on a GPU unless
+    `graphs` is False)."""
+    from executor.graphs import DecodeGraphs, bucket_for
     from executor.kv_cache import KVCache
 
     block = 16
     max_rows = max(rows)
+    dev = model.device
     kv = KVCache.allocate(
         model.config,
         num_blocks=max_rows * 2 + 1,
         block_size=block,
         dtype=model.dtype,
-        device=model.device,
+        device=dev,
     )
+    decode_graphs = None
+    if graphs and dev.type == "cuda":
+        decode_graphs = DecodeGraphs(
+            model,
+            kv.k,
+            kv.v,
+            max_seqs=max_rows,
+            max_blocks_per_seq=2,
+            max_rows=bucket_for(max_rows) or max_rows,
+        )
     out = []
     for n in rows:
-        dev = model.device
         positions = torch.full((n,), 8, dtype=torch.int64, device=dev)
         tables = torch.arange(n * 2, dtype=torch.int32, device=dev).view(n, 2)
         meta = AttnMetadata(
@@ -240,18 +255,38 @@ def time_draft_steps(model: Model, rows: tuple[int, ...], repeats: int) -> list[
             cu_q_lens=torch.arange(n + 1, dtype=torch.int32, device=dev),
             seq_lens=torch.full((n,), 9, dtype=torch.int32, device=dev),
             block_tables=tables,
+            max_q_len=1,
         )
         ids = torch.randint(0, model.config.vocab_size, (n,), device=dev)
+        bucket = bucket_for(n)
+
         times = []
         for i in range(repeats + 2):
             _sync(dev)
             t0 = time.perf_counter()
-            model.logits(model.forward(ids, meta, kv.k, kv.v)).argmax(-1)
+            _draft_step(model, decode_graphs, bucket, ids, meta, kv)
             _sync(dev)
             if i >= 2:
                 times.append((time.perf_counter() - t0) * 1e3)
         out.append([n, round(statistics.median(times), 4)])
     return out
+
+
+def _draft_step(model: Model, decode_graphs, bucket: int, ids, meta: AttnMetadata, kv):
+    """One timed draft chain step: graph replay when one fits the bucket, else eager."""
+    if decode_graphs is not None and 0 < bucket <= decode_graphs.max_rows:
+        logits = decode_graphs.run(
+            bucket,
+            ids,
+            meta.positions,
+            meta.slot_mapping,
+            meta.cu_q_lens,
+            meta.seq_lens,
+            meta.block_tables,
+        )
+    else:
+        logits = model.logits(model.forward(ids, meta, kv.k, kv.v))
+    return logits.argmax(-1)
 
 
 def build_profile(

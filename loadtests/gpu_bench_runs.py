@@ -268,7 +268,15 @@ def warm_graphs(engine, cfg: BenchConfig) -> int:
             if q <= bucket <= top:
                 for width in widths:
                     graphs.capture(bucket, width, q)
-    return len(graphs.graphs) - before
+    captured = len(graphs.graphs) - before
+    # the draft model's chain steps replay graphs of their own (one row per request)
+    drafter = getattr(engine, "drafter", None)
+    model_drafter = getattr(drafter, "inner", drafter)
+    if hasattr(model_drafter, "capture_graphs"):
+        drafts_before = len(model_drafter.graphs.graphs) if model_drafter.graphs else 0
+        blocks = tuple(range(lo, hi + 1))
+        captured += model_drafter.capture_graphs(max_c, widths=blocks) - drafts_before
+    return captured
 
 
 def run_point(engine, cfg, policy, drafter, cohort, concurrency, paths, model_inner) -> dict:

@@ -20,6 +20,12 @@ Draft probabilities: a greedy request drafts the argmax. A sampled request draws
 sampling is exact for any q the drafts were really drawn from, so q only has to be honest) and
 `DraftBatch.probs` keeps q for every draft row; greedy rows there hold the point mass of their
 argmax. The draft model must share the target's vocabulary (the rows are indexed by token id).
+
+Graphs: on a GPU every chain step, and step 0 when it holds at most `GRAPH_MAX_ROWS_PER_SEQ` rows
+per request (no long catch-up), replays a captured decode graph of the draft model
+(`executor/graphs.py`, keyed by row bucket and block-table width). A small model's step is
+otherwise bound by kernel launches: eager, a 28-layer 0.6B model took ~13 ms per step at any
+batch on an H200, so a depth-8 chain cost more than the target's round.
 """
 
 from __future__ import annotations
@@ -30,8 +36,13 @@ import numpy as np
 import torch
 
 from executor.drafters.base import DraftBatch, DraftRequest
+from executor.graphs import DEFAULT_BUCKETS, DecodeGraphs, bucket_for
 from executor.kv_cache import KVCache
 from executor.model import AttnMetadata, Model
+
+# Step 0 replays a graph when no request feeds more rows than this (the last committed token,
+# plus the last accepted draft whose KV a fully accepted chain lacks); longer catch-ups run eagerly.
+GRAPH_MAX_ROWS_PER_SEQ = 4
 
 
 class DraftModelDrafter:
@@ -47,8 +58,14 @@ class DraftModelDrafter:
         max_slots: int,
         max_model_len: int,
         seed: int = 0,
+        graphs: str = "lazy",
     ):
+        if graphs not in ("lazy", "startup", "off"):
+            raise ValueError(f"graphs must be lazy, startup or off, got {graphs!r}")
         self.model = model
+        self.max_slots = max_slots
+        self.use_graphs = graphs != "off" and model.device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None  # made when the block table is bound
         self.device = model.device
         self.block_size = block_size
         # drafting writes positions below this (the draft model's rope table may be shorter)
@@ -71,6 +88,36 @@ class DraftModelDrafter:
     def bind_block_tables(self, block_tables: np.ndarray) -> None:
         """Called once by the executor with its block table; the drafter only reads it."""
         self.block_tables = block_tables
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv.k,
+                self.kv.v,
+                max_seqs=self.max_slots,
+                max_blocks_per_seq=block_tables.shape[1],
+                max_rows=bucket_for(GRAPH_MAX_ROWS_PER_SEQ * self.max_slots) or DEFAULT_BUCKETS[-1],
+            )
+
+    def capture_graphs(
+        self, max_seqs: int | None = None, widths: tuple[int, ...] = (), q_lens=(1, 2)
+    ) -> int:
+        """Captures the drafting graphs ahead of serving: every row bucket that `max_seqs`
+        requests with `q` rows each can need (q = 1: chain steps; q = 2: step 0 after a fully
+        accepted chain), at the given block-table widths in blocks (default: the narrowest).
+        Returns how many graphs exist. Without graphs (CPU, or off) nothing happens."""
+        if self.graphs is None:
+            return 0
+        top = min(max_seqs or self.max_slots, self.max_slots)
+        widths = tuple(sorted({self.graphs.width_for(w) for w in widths or (1,)}))
+        for q in q_lens:
+            for bucket in DEFAULT_BUCKETS:
+                if q > bucket or bucket > self.graphs.max_rows:
+                    continue
+                for width in widths:
+                    self.graphs.capture(bucket, width, q)
+                if bucket >= top * q:
+                    break
+        return len(self.graphs.graphs)
 
     # -- slot lifecycle -----------------------------------------------------------------------
     def setup(self, slot: int, context: list[int]) -> None:
@@ -129,8 +176,10 @@ class DraftModelDrafter:
         num_catchup_rows = sum(num_rows) - len(active)
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         last_rows = torch.tensor(np.cumsum(num_rows) - 1, dtype=torch.int64, device=dev)
-        hidden = self._forward(ids_t, [requests[i].slot for i in active], first_pos, num_rows)
-        self._pick(hidden[last_rows], active, 0, temps, draft_offsets, draft_tokens, probs)
+        logits = self._logits(
+            ids_t, [requests[i].slot for i in active], first_pos, num_rows, last_rows
+        )
+        self._pick(logits, active, 0, temps, draft_offsets, draft_tokens, probs)
         if num_catchup_rows:
             self._sync()
         t_first = time.perf_counter()
@@ -144,10 +193,10 @@ class DraftModelDrafter:
             active_t = torch.tensor(active, dtype=torch.int64, device=dev)
             ids_t = draft_tokens[active_t, j - 1]  # [num_active]
             positions = [len(requests[i].context) - 1 + j for i in active]
-            hidden = self._forward(
-                ids_t, [requests[i].slot for i in active], positions, [1] * len(active)
+            logits = self._logits(
+                ids_t, [requests[i].slot for i in active], positions, [1] * len(active), None
             )
-            self._pick(hidden, active, j, temps, draft_offsets, draft_tokens, probs)
+            self._pick(logits, active, j, temps, draft_offsets, draft_tokens, probs)
 
         tokens_host = draft_tokens.tolist()  # the one device->host copy of the drafts
         t_end = time.perf_counter()
@@ -170,12 +219,43 @@ class DraftModelDrafter:
             extra={"num_catchup_rows": num_catchup_rows},
         )
 
-    def _forward(
-        self, ids: torch.Tensor, slots: list[int], first_pos: list[int], num_rows: list[int]
+    def _logits(
+        self,
+        ids: torch.Tensor,  # [sum(num_rows)] int64 on the device
+        slots: list[int],
+        first_pos: list[int],
+        num_rows: list[int],
+        pick_rows: torch.Tensor | None,  # [num_seqs] rows whose logits are wanted; None: all
     ) -> torch.Tensor:
         """Ragged forward of `num_rows[s]` consecutive rows per sequence starting at position
-        `first_pos[s]`, K/V written into the draft cache. Returns the final hidden states of
-        every row [sum(num_rows), hidden]."""
+        `first_pos[s]`, K/V written into the draft cache; returns float32 logits of the picked
+        rows [num_picked, vocab]. A graph replays it when the shape allows."""
+        total = len(ids)
+        bucket = bucket_for(total)
+        if (
+            self.graphs is not None
+            and 0 < bucket <= self.graphs.max_rows
+            and max(num_rows) <= GRAPH_MAX_ROWS_PER_SEQ
+        ):
+            meta = self._meta(slots, first_pos, num_rows)
+            logits = self.graphs.run(
+                bucket,
+                ids,
+                meta.positions,
+                meta.slot_mapping,
+                meta.cu_q_lens,
+                meta.seq_lens,
+                meta.block_tables,
+                max_q_len=max(num_rows),
+            )  # [total, vocab], a view of the graph's output: read before the next replay
+            return logits if pick_rows is None else logits[pick_rows]
+        hidden = self.model.forward(
+            ids, self._meta(slots, first_pos, num_rows), self.kv.k, self.kv.v
+        )
+        return self.model.logits(hidden if pick_rows is None else hidden[pick_rows])
+
+    def _meta(self, slots: list[int], first_pos: list[int], num_rows: list[int]) -> AttnMetadata:
+        """Attention metadata of `num_rows[s]` rows per sequence from position `first_pos[s]`."""
         assert self.block_tables is not None
         bs = self.block_size
         rows_slot = np.repeat(np.asarray(slots, dtype=np.int64), num_rows)  # [num_rows]
@@ -197,12 +277,13 @@ class DraftModelDrafter:
             block_tables=torch.from_numpy(
                 np.ascontiguousarray(self.block_tables[slots, :max_blocks])
             ).to(dev, non_blocking=True),
+            max_q_len=max(num_rows),
         )
-        return self.model.forward(ids, meta, self.kv.k, self.kv.v)  # [num_rows, hidden]
+        return meta
 
     def _pick(
         self,
-        hidden: torch.Tensor,  # [num_active, hidden] the rows that predict draft j
+        logits: torch.Tensor,  # [num_active, vocab] float32, the rows that predict draft j
         active: list[int],  # request indices of the rows
         j: int,
         temps: list[float],  # per request, 0 for greedy
@@ -211,7 +292,6 @@ class DraftModelDrafter:
         probs: torch.Tensor | None,  # [sum(num_draft), vocab] out
     ) -> None:
         dev = self.device
-        logits = self.model.logits(hidden)  # [num_active, vocab] float32
         tokens = logits.argmax(dim=-1)  # [num_active]
         if probs is not None:
             # index lists are built on the host so that no step waits for the device
