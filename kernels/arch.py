@@ -26,17 +26,28 @@ import torch
 
 @dataclass(frozen=True)
 class AttentionTiles:
-    """Verify-attention tiling. A tile is (rows of one sequence) x (GQA group) query vectors."""
+    """Verify-attention tiling. A tile is (rows of one sequence) x (GQA group) query vectors.
+
+    Tiles of up to 64 query vectors use `block_n`, `num_warps` and `num_stages` (or
+    `num_stages_split` when the KV is split); larger tiles use the `*_large` settings.
+    """
 
     block_n: int  # KV tokens per inner step
     max_block_m: int  # cap on rows_per_tile * group_pad (query vectors per program)
     num_warps: int  # for tiles of up to 64 query vectors
-    num_warps_large: int  # for tiles of more than 64 query vectors
     num_stages: int
+    num_stages_split: int  # split launches of tiles of up to 64 query vectors
+    block_n_large: int  # for tiles of more than 64 query vectors
+    num_warps_large: int
+    num_stages_large: int
+    lazy_rescale: int  # 1: rescale the accumulator only when a row's max grows by > 2**8
+    pipeline_qk: int  # 1: issue q.k of the next KV tile before this tile's softmax and PV
+    max_regs: int  # NVIDIA, tiles of up to 64 query vectors: register cap per thread, 0: none
     waves_per_eu: int  # AMD only: occupancy hint, 0 leaves it to the compiler
     min_split_len: int  # fewest KV tokens worth a split of their own
     max_splits: int
-    programs_per_sm: int  # the split path aims for this many programs per SM / CU
+    programs_per_sm: int  # programs of up to 64 query vectors one SM / CU holds at once
+    programs_per_sm_large: int  # the same for larger tiles
 
 
 @dataclass(frozen=True)
@@ -56,8 +67,12 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         warp_size=32,
         lds_bytes=227 * 1024,
         attention=AttentionTiles(
-            block_n=64, max_block_m=64, num_warps=4, num_warps_large=8, num_stages=2,
-            waves_per_eu=0, min_split_len=512, max_splits=32, programs_per_sm=2,
+            block_n=64, max_block_m=64, num_warps=4, num_stages=2,
+            num_stages_split=2, block_n_large=64, num_warps_large=8,
+            num_stages_large=2, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            waves_per_eu=0,
+            min_split_len=512, max_splits=32, programs_per_sm=2,
+            programs_per_sm_large=1,
         ),
         row_warps=8,
         vocab_chunk=4096,
@@ -68,8 +83,12 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         warp_size=32,
         lds_bytes=99 * 1024,
         attention=AttentionTiles(
-            block_n=64, max_block_m=128, num_warps=4, num_warps_large=8, num_stages=2,
-            waves_per_eu=0, min_split_len=512, max_splits=32, programs_per_sm=4,
+            block_n=64, max_block_m=128, num_warps=4, num_stages=2,
+            num_stages_split=2, block_n_large=64, num_warps_large=8,
+            num_stages_large=2, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            waves_per_eu=0,
+            min_split_len=512, max_splits=32, programs_per_sm=4,
+            programs_per_sm_large=2,
         ),
         row_warps=8,
         vocab_chunk=4096,
@@ -80,8 +99,12 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         warp_size=64,
         lds_bytes=64 * 1024,
         attention=AttentionTiles(
-            block_n=64, max_block_m=128, num_warps=4, num_warps_large=8, num_stages=1,
-            waves_per_eu=2, min_split_len=512, max_splits=32, programs_per_sm=4,
+            block_n=64, max_block_m=128, num_warps=4, num_stages=1,
+            num_stages_split=1, block_n_large=64, num_warps_large=8,
+            num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            waves_per_eu=2,
+            min_split_len=512, max_splits=32, programs_per_sm=4,
+            programs_per_sm_large=2,
         ),
         row_warps=8,
         vocab_chunk=4096,
@@ -92,8 +115,12 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         warp_size=32,
         lds_bytes=64 * 1024,
         attention=AttentionTiles(
-            block_n=32, max_block_m=64, num_warps=4, num_warps_large=4, num_stages=1,
-            waves_per_eu=2, min_split_len=256, max_splits=16, programs_per_sm=4,
+            block_n=32, max_block_m=64, num_warps=4, num_stages=1,
+            num_stages_split=1, block_n_large=32, num_warps_large=4,
+            num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            waves_per_eu=2,
+            min_split_len=256, max_splits=16, programs_per_sm=4,
+            programs_per_sm_large=2,
         ),
         row_warps=4,
         vocab_chunk=2048,
@@ -104,8 +131,12 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         warp_size=32,
         lds_bytes=64 * 1024,
         attention=AttentionTiles(
-            block_n=32, max_block_m=64, num_warps=4, num_warps_large=4, num_stages=1,
-            waves_per_eu=2, min_split_len=256, max_splits=16, programs_per_sm=4,
+            block_n=32, max_block_m=64, num_warps=4, num_stages=1,
+            num_stages_split=1, block_n_large=32, num_warps_large=4,
+            num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            waves_per_eu=2,
+            min_split_len=256, max_splits=16, programs_per_sm=4,
+            programs_per_sm_large=2,
         ),
         row_warps=4,
         vocab_chunk=2048,
@@ -116,8 +147,12 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         warp_size=32,
         lds_bytes=48 * 1024,
         attention=AttentionTiles(
-            block_n=32, max_block_m=64, num_warps=4, num_warps_large=4, num_stages=1,
-            waves_per_eu=0, min_split_len=256, max_splits=16, programs_per_sm=2,
+            block_n=32, max_block_m=64, num_warps=4, num_stages=1,
+            num_stages_split=1, block_n_large=32, num_warps_large=4,
+            num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            waves_per_eu=0,
+            min_split_len=256, max_splits=16, programs_per_sm=2,
+            programs_per_sm_large=1,
         ),
         row_warps=4,
         vocab_chunk=2048,
@@ -187,11 +222,14 @@ def num_compute_units(device: torch.device) -> int:
     return _config_for(device.type, index)[1]
 
 
-def launch_options(device: torch.device, waves_per_eu: int) -> dict:
-    """Extra launch keywords: `waves_per_eu` exists only for the AMD backend."""
-    if device.type == "cuda" and is_hip() and waves_per_eu > 0:
-        return {"waves_per_eu": waves_per_eu}
-    return {}
+def launch_options(device: torch.device, waves_per_eu: int, max_regs: int = 0) -> dict:
+    """Extra launch keywords: `waves_per_eu` exists only for the AMD backend, the register
+    cap (`maxnreg`) only for NVIDIA's."""
+    if device.type != "cuda" or is_interpreter():
+        return {}
+    if is_hip():
+        return {"waves_per_eu": waves_per_eu} if waves_per_eu > 0 else {}
+    return {"maxnreg": max_regs} if max_regs > 0 else {}
 
 
 def kernels_available(device: torch.device | str) -> bool:

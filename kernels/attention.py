@@ -23,13 +23,21 @@ element of `out` is written. Axis 1 = KV heads, axis 2 = KV splits.
 
 Split-KV: when few tiles would leave SMs idle (batch 1, long context), axis 2 cuts each tile's
 KV range into `num_splits` pieces; each writes its normalised partial output and log2-sum-exp,
-and `_merge_splits_kernel` combines them (online-softmax merge).
+and `_merge_splits_kernel` combines them (online-softmax merge). The split count fills at most
+one wave of program slots (SMs x programs per SM, from the arch table).
+
+Inner loop: tiles of keys every row of the tile may see run without masks; only the tiles
+holding the diagonal or the ragged end are masked. The softmax scale is folded into the exp2's
+FMA. Two switches of the arch table change the schedule, never the result: lazy rescaling (the
+accumulator is rescaled only when some row's max grew by more than 8 in log2 units) and q.k
+issued one KV tile ahead of the softmax and PV of the current tile.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,14 +47,11 @@ from kernels.arch import arch_config, launch_options, num_compute_units
 
 
 @triton.jit
-def _attend_tile(
-    q, acc, m_i, l_i, start, kv_hi, q_pos,
-    k_ptr, v_ptr, bt_row_ptr, kv_head_off_k, kv_head_off_v,
-    stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, scale_log2,
-    offs_d, d_mask,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+def _load_kv_tile(
+    base_ptr, bt_row_ptr, start, kv_hi, stride_blk, stride_tok, offs_d, d_mask,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
 ):
+    """K or V of KV positions start..start+BLOCK_N-1 of one head: [BLOCK_N, D_PAD]."""
     offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] KV positions
     if MASKED:
         n_valid = offs_n < kv_hi
@@ -54,27 +59,65 @@ def _attend_tile(
     else:
         page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE).to(tl.int64)
     tok = offs_n % PAGE_SIZE
-    k_off = page[:, None] * stride_k_blk + tok[:, None] * stride_k_tok + offs_d[None, :]
-    v_off = page[:, None] * stride_v_blk + tok[:, None] * stride_v_tok + offs_d[None, :]
+    ptrs = base_ptr + page[:, None] * stride_blk + tok[:, None] * stride_tok + offs_d[None, :]
     if MASKED:
-        kv_mask = n_valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + kv_head_off_k + k_off, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_ptr + kv_head_off_v + v_off, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        return tl.load(ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+    elif EVEN_D:
+        return tl.load(ptrs)  # full tile, full head: no predicate, widest loads
     else:
-        k = tl.load(k_ptr + kv_head_off_k + k_off, mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_ptr + kv_head_off_v + v_off, mask=d_mask[None, :], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        return tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _tile_scores(
+    q, k, start, kv_hi, q_pos,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Unscaled q.k of a tile [BLOCK_M, BLOCK_N]; keys a query may not see are -inf."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASKED:
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        offs_n = start + tl.arange(0, BLOCK_N)
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_hi)[None, :]
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A query vector that sees no key in this tile keeps m = -inf; shifting by 0 keeps exp2 at 0.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    return s
+
+
+@triton.jit
+def _softmax_update(
+    s, v, acc, m_i, l_i, scale_log2,
+    LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over one tile of scores s; m_i is in log2 units of the scaled scores.
+
+    The scale goes into the exponent's FMA (s * scale_log2 - m) instead of a pass over s.
+    LAZY_RESCALE keeps the running max while no row's max grew by more than 8 (log2 units:
+    probabilities then stay <= 2**8, far inside fp32 and bf16 range), so most tiles skip the
+    exp2 of alpha and the pass over the accumulator; l_i and acc always refer to the same m_i,
+    so the result is unchanged.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # [BLOCK_M]
+    if LAZY_RESCALE:
+        # Rows without a visible key stay at -inf; a row seeing its first key grows by +inf.
+        grow = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), 0)
+        if grow > 8.0:
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_shift)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+        p = tl.exp2(s * scale_log2 - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i + tl.sum(p, 1)
+    else:
+        # A query vector that sees no key yet keeps m = -inf; shifting by 0 keeps exp2 at 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * scale_log2 - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -92,7 +135,8 @@ def _verify_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, SEQS_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    PIPELINE_QK: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -152,21 +196,67 @@ def _verify_attention_kernel(
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-            k_head_off = kv_head.to(tl.int64) * stride_k_head
-            v_head_off = kv_head.to(tl.int64) * stride_v_head
-            for start in range(kv_lo, masked_lo, BLOCK_N):
-                acc, m_i, l_i = _attend_tile(
-                    q, acc, m_i, l_i, start, kv_hi, q_pos, k_ptr, v_ptr, bt_row_ptr,
-                    k_head_off, v_head_off, stride_k_blk, stride_k_tok, stride_v_blk,
-                    stride_v_tok, scale_log2, offs_d, d_mask, BLOCK_N, PAGE_SIZE, False,
-                    DOT_PRECISION,
-                )
+            k_base = k_ptr + kv_head.to(tl.int64) * stride_k_head
+            v_base = v_ptr + kv_head.to(tl.int64) * stride_v_head
+            if PIPELINE_QK:
+                # q.k of tile n+1 is issued before the softmax and PV of tile n, so the tensor
+                # cores work on the next scores while the exp2s of this tile run.
+                if num_full > 0:
+                    k = _load_kv_tile(
+                        k_base, bt_row_ptr, kv_lo, kv_hi, stride_k_blk, stride_k_tok, offs_d,
+                        d_mask, BLOCK_N, PAGE_SIZE, False, EVEN_D,
+                    )
+                    s = _tile_scores(q, k, kv_lo, kv_hi, q_pos, BLOCK_N, False, DOT_PRECISION)
+                    for start in range(kv_lo + BLOCK_N, masked_lo, BLOCK_N):
+                        k = _load_kv_tile(
+                            k_base, bt_row_ptr, start, kv_hi, stride_k_blk, stride_k_tok,
+                            offs_d, d_mask, BLOCK_N, PAGE_SIZE, False, EVEN_D,
+                        )
+                        s_next = _tile_scores(
+                            q, k, start, kv_hi, q_pos, BLOCK_N, False, DOT_PRECISION
+                        )
+                        v = _load_kv_tile(
+                            v_base, bt_row_ptr, start - BLOCK_N, kv_hi, stride_v_blk,
+                            stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE, False, EVEN_D,
+                        )
+                        acc, m_i, l_i = _softmax_update(
+                            s, v, acc, m_i, l_i, scale_log2, LAZY_RESCALE, DOT_PRECISION
+                        )
+                        s = s_next
+                    v = _load_kv_tile(
+                        v_base, bt_row_ptr, masked_lo - BLOCK_N, kv_hi, stride_v_blk,
+                        stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE, False, EVEN_D,
+                    )
+                    acc, m_i, l_i = _softmax_update(
+                        s, v, acc, m_i, l_i, scale_log2, LAZY_RESCALE, DOT_PRECISION
+                    )
+            else:
+                for start in range(kv_lo, masked_lo, BLOCK_N):
+                    k = _load_kv_tile(
+                        k_base, bt_row_ptr, start, kv_hi, stride_k_blk, stride_k_tok, offs_d,
+                        d_mask, BLOCK_N, PAGE_SIZE, False, EVEN_D,
+                    )
+                    v = _load_kv_tile(
+                        v_base, bt_row_ptr, start, kv_hi, stride_v_blk, stride_v_tok, offs_d,
+                        d_mask, BLOCK_N, PAGE_SIZE, False, EVEN_D,
+                    )
+                    s = _tile_scores(q, k, start, kv_hi, q_pos, BLOCK_N, False, DOT_PRECISION)
+                    acc, m_i, l_i = _softmax_update(
+                        s, v, acc, m_i, l_i, scale_log2, LAZY_RESCALE, DOT_PRECISION
+                    )
+            # The tiles holding the diagonal (and the ragged end): the only masked ones.
             for start in range(masked_lo, kv_hi, BLOCK_N):
-                acc, m_i, l_i = _attend_tile(
-                    q, acc, m_i, l_i, start, kv_hi, q_pos, k_ptr, v_ptr, bt_row_ptr,
-                    k_head_off, v_head_off, stride_k_blk, stride_k_tok, stride_v_blk,
-                    stride_v_tok, scale_log2, offs_d, d_mask, BLOCK_N, PAGE_SIZE, True,
-                    DOT_PRECISION,
+                k = _load_kv_tile(
+                    k_base, bt_row_ptr, start, kv_hi, stride_k_blk, stride_k_tok, offs_d,
+                    d_mask, BLOCK_N, PAGE_SIZE, True, EVEN_D,
+                )
+                v = _load_kv_tile(
+                    v_base, bt_row_ptr, start, kv_hi, stride_v_blk, stride_v_tok, offs_d,
+                    d_mask, BLOCK_N, PAGE_SIZE, True, EVEN_D,
+                )
+                s = _tile_scores(q, k, start, kv_hi, q_pos, BLOCK_N, True, DOT_PRECISION)
+                acc, m_i, l_i = _softmax_update(
+                    s, v, acc, m_i, l_i, scale_log2, LAZY_RESCALE, DOT_PRECISION
                 )
 
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -238,17 +328,120 @@ def choose_rows_per_tile(max_block_m: int, group: int, rows_hint: int) -> int:
 
 
 def choose_num_splits(
-    device: torch.device, num_tiles: int, num_kv_heads: int, max_kv_len: int
+    device: torch.device,
+    num_tiles: int,
+    num_kv_heads: int,
+    max_kv_len: int,
+    *,
+    large_tiles: bool = False,
 ) -> int:
-    """Splits so that tiles x heads x splits fills the GPU, from shapes only (no host sync).
+    """Splits so that tiles x heads x splits fills the GPU's program slots, from shapes only.
 
+    The slots are the programs one SM holds at once (`programs_per_sm`, or
+    `programs_per_sm_large` for tiles of more than 64 query vectors) times the SMs. The count
+    rounds down: one program past a full wave costs a second wave of the same length.
     `max_kv_len` is the block table's capacity, an upper bound of every sequence's length.
     """
     tiles = arch_config(device).attention
+    per_sm = tiles.programs_per_sm_large if large_tiles else tiles.programs_per_sm
     programs = max(1, num_tiles * num_kv_heads)
-    want = math.ceil(tiles.programs_per_sm * num_compute_units(device) / programs)
+    want = per_sm * num_compute_units(device) // programs
     worth = max(1, max_kv_len // tiles.min_split_len)
     return max(1, min(want, worth, tiles.max_splits))
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Tiling of one verify-attention call, from shapes and the arch table only."""
+
+    rows_per_tile: int
+    block_m: int  # query vectors per program (rows_per_tile x padded group, >= 16)
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    num_tiles: int  # grid axis 0
+    lazy_rescale: bool
+    pipeline_qk: bool
+    max_regs: int  # 0: the compiler's choice
+
+
+def plan_launch(
+    device: torch.device,
+    *,
+    num_rows: int,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_kv_len: int,
+    max_q_len: int | None = None,
+    rows_per_tile: int | None = None,
+    num_splits: int | None = None,
+) -> AttentionLaunch:
+    """Tile, splits, warps and stages for a call (see `verify_attention` for the arguments).
+
+    Tiles of more than 64 query vectors take the `*_large` settings; split launches of smaller
+    tiles take `num_stages_split` (few programs per SM, so a deeper pipeline keeps more KV
+    in flight).
+    """
+    tiles = arch_config(device).attention
+    group = num_q_heads // num_kv_heads
+    if rows_per_tile is None:
+        rows_hint = max_q_len if max_q_len is not None else triton.cdiv(num_rows, max(1, num_seqs))
+        rows_per_tile = choose_rows_per_tile(tiles.max_block_m, group, rows_hint)
+    assert rows_per_tile >= 1
+    block_m = max(16, _next_pow2(rows_per_tile * _next_pow2(group)))  # tl.dot needs M >= 16
+    large = block_m > 64
+    if num_splits is None:
+        # Sequences of fewer rows than a tile still take a tile each.
+        est_tiles = max(triton.cdiv(num_rows, rows_per_tile), min(num_seqs, num_rows))
+        num_splits = choose_num_splits(
+            device, est_tiles, num_kv_heads, max_kv_len, large_tiles=large
+        )
+    assert num_splits >= 1
+    if large:
+        block_n, num_warps, num_stages = (
+            tiles.block_n_large, tiles.num_warps_large, tiles.num_stages_large
+        )
+    else:
+        block_n, num_warps = tiles.block_n, tiles.num_warps
+        num_stages = tiles.num_stages_split if num_splits > 1 else tiles.num_stages
+    return AttentionLaunch(
+        rows_per_tile=rows_per_tile,
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        num_splits=num_splits,
+        num_tiles=triton.cdiv(num_rows, rows_per_tile) + num_seqs,
+        lazy_rescale=bool(tiles.lazy_rescale),
+        pipeline_qk=bool(tiles.pipeline_qk),
+        max_regs=0 if large else tiles.max_regs,
+    )
+
+
+def merge_splits(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    out: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    num_seqs: int,
+) -> torch.Tensor:
+    """Combines per-split partial outputs [splits, rows, Hq, D] (fp32, each normalised) and
+    their log2-sum-exps [splits, rows, Hq] into out [rows, Hq, D]; rows past cu_q_lens[-1]
+    are left alone."""
+    num_splits, num_rows, num_q_heads, head_dim = part_out.shape
+    d_pad = _next_pow2(head_dim)
+    _merge_splits_kernel[(num_rows, num_q_heads)](
+        part_out, part_lse, out, cu_q_lens, num_seqs,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=d_pad,
+        NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits),
+        num_warps=4 if d_pad >= 128 else 2,
+    )
+    return out
 
 
 def verify_attention(
@@ -296,38 +489,33 @@ def verify_attention(
     if num_rows == 0:
         return out
 
-    cfg = arch_config(q.device)
-    tiles = cfg.attention
-    group = num_q_heads // num_kv_heads
-    group_pad = _next_pow2(group)
-    d_pad = _next_pow2(head_dim)
-    if rows_per_tile is None:
-        rows_hint = max_q_len if max_q_len is not None else triton.cdiv(num_rows, max(1, num_seqs))
-        rows_per_tile = choose_rows_per_tile(tiles.max_block_m, group, rows_hint)
-    assert rows_per_tile >= 1
-    block_m = max(16, _next_pow2(rows_per_tile * group_pad))  # tl.dot needs M >= 16
-    num_tiles = triton.cdiv(num_rows, rows_per_tile) + num_seqs
-    if num_splits is None:
-        # Sequences of fewer rows than a tile still take a tile each.
-        est_tiles = max(triton.cdiv(num_rows, rows_per_tile), min(num_seqs, num_rows))
-        max_kv_len = block_tables.shape[1] * page_size
-        num_splits = choose_num_splits(q.device, est_tiles, num_kv_heads, max_kv_len)
-    assert num_splits >= 1
-
-    if num_splits > 1:
+    launch = plan_launch(
+        q.device,
+        num_rows=num_rows,
+        num_seqs=num_seqs,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        max_kv_len=block_tables.shape[1] * page_size,
+        max_q_len=max_q_len,
+        rows_per_tile=rows_per_tile,
+        num_splits=num_splits,
+    )
+    splits = launch.num_splits
+    if splits > 1:
         part_out = torch.empty(
-            (num_splits, num_rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device
+            (splits, num_rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device
         )  # [splits, num_rows, Hq, D]
         part_lse = torch.empty(
-            (num_splits, num_rows, num_q_heads), dtype=torch.float32, device=q.device
+            (splits, num_rows, num_q_heads), dtype=torch.float32, device=q.device
         )  # [splits, num_rows, Hq]
     else:
         part_out = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
         part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
 
-    num_warps = tiles.num_warps if block_m <= 64 else tiles.num_warps_large
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (num_tiles, num_kv_heads, num_splits)
+    group = num_q_heads // num_kv_heads
+    d_pad = _next_pow2(head_dim)
+    tiles = arch_config(q.device).attention
+    grid = (launch.num_tiles, num_kv_heads, splits)
     _verify_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         cu_q_lens, seq_lens, block_tables,
@@ -339,23 +527,17 @@ def verify_attention(
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, ROWS_TILE=rows_per_tile,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, HEAD_DIM=head_dim, D_PAD=d_pad,
-        PAGE_SIZE=page_size, NUM_SPLITS=num_splits, SEQS_PAD=_next_pow2(num_seqs + 1),
-        DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=tiles.num_stages,
-        **launch_options(q.device, tiles.waves_per_eu),
+        GROUP=group, GROUP_PAD=_next_pow2(group), ROWS_TILE=launch.rows_per_tile,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HEAD_DIM=head_dim, D_PAD=d_pad,
+        EVEN_D=head_dim == d_pad, PAGE_SIZE=page_size, NUM_SPLITS=splits,
+        SEQS_PAD=_next_pow2(num_seqs + 1),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        LAZY_RESCALE=launch.lazy_rescale, PIPELINE_QK=launch.pipeline_qk,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **launch_options(q.device, tiles.waves_per_eu, launch.max_regs),
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_rows, num_q_heads)](
-            part_out, part_lse, out, cu_q_lens, num_seqs,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits),
-            num_warps=4 if d_pad >= 128 else 2,
-        )
+    if splits > 1:
+        merge_splits(part_out, part_lse, out, cu_q_lens, num_seqs)
     return out
 
 

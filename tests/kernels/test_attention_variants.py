@@ -1,0 +1,162 @@
+"""Every verify-attention variant the arch table can select computes the same attention.
+
+The variants (lazy rescaling, q.k issued one tile ahead, tiles of more than 64 query vectors
+with their own block_n / warps / stages, split launches) are switched on in the table entry the
+interpreter uses, so these tests run on the CPU as well as on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import arch
+from kernels.attention import (
+    choose_num_splits,
+    plan_launch,
+    verify_attention,
+    verify_attention_ref,
+)
+from tests.kernels.paged import ragged_batch, rel_err
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+VARIANTS = {
+    "plain": {},
+    "lazy": {"lazy_rescale": 1},
+    "pipelined": {"pipeline_qk": 1},
+    "lazy+pipelined": {"lazy_rescale": 1, "pipeline_qk": 1},
+    "large tiles": {"max_block_m": 128, "block_n_large": 16, "lazy_rescale": 1},
+    "small block_n": {"block_n": 16, "lazy_rescale": 1, "pipeline_qk": 1},
+}
+
+
+@pytest.fixture
+def tiles():
+    """Edits the attention tiles of the entry this device uses; restores them afterwards."""
+    device = torch.device(DEV)
+    family = arch.arch_config(device).family
+    saved = arch.FAMILY_CONFIGS[family]
+
+    def set_tiles(**changes):
+        arch.FAMILY_CONFIGS[family] = dataclasses.replace(
+            saved, attention=dataclasses.replace(saved.attention, **changes)
+        )
+        arch._config_for.cache_clear()
+        return arch.arch_config(device).attention
+
+    yield set_tiles
+    arch.FAMILY_CONFIGS[family] = saved
+    arch._config_for.cache_clear()
+
+
+def _check(batch, **kwargs):
+    q = batch[0]
+    scale = 1 / math.sqrt(q.shape[-1])
+    out = torch.full_like(q, float("nan"))  # poison: every element must be written
+    verify_attention(*batch, scale, out, **kwargs)
+    ref = verify_attention_ref(*[t.float() if t.is_floating_point() else t for t in batch], scale)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[q.dtype]
+    return out
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_variant_matches_reference(tiles, variant, num_splits):
+    tiles(**VARIANTS[variant])
+    # 16 rows x GQA 8 (one 128-vector tile under the large cap), a decode row, a short verify
+    # whose context is shorter than one KV tile, and a padded sequence.
+    batch = ragged_batch(
+        [16, 1, 5, 0],
+        [70, 45, 3, 0],
+        num_q_heads=8,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=8,
+        dtype=torch.float32,
+        device=DEV,
+    )
+    _check(batch, num_splits=num_splits, max_q_len=16)
+
+
+@pytest.mark.parametrize("lazy", [0, 1])
+def test_scores_growing_across_tiles_are_rescaled(tiles, lazy):
+    # Keys grow in magnitude along the sequence, so each KV tile raises the running max by far
+    # more than the lazy threshold (2**8 in probability): every rescale must still happen.
+    tiles(lazy_rescale=lazy, block_n=16)
+    q, k, v, cu, lens, bt = ragged_batch(
+        [4],
+        [120],
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        page_size=16,
+        dtype=torch.float32,
+        device=DEV,
+        seed=3,
+    )
+    ramp = torch.linspace(0.1, 6.0, k.shape[0] * k.shape[1], device=DEV).view(k.shape[:2])
+    k = k * ramp[:, :, None, None]
+    q = q * 40.0  # the max grows by hundreds in log2 units: no rescale would overflow fp32
+    _check((q, k, v, cu, lens, bt), num_splits=1, max_q_len=4)
+
+
+def test_fp16_variant_with_odd_head_dim(tiles):
+    tiles(lazy_rescale=1, pipeline_qk=1)
+    batch = ragged_batch(
+        [3, 8],
+        [50, 20],
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=80,
+        page_size=4,
+        dtype=torch.float16,
+        device=DEV,
+    )
+    _check(batch, num_splits=2, max_q_len=8)
+
+
+def test_large_tiles_take_their_own_settings(tiles):
+    t = tiles(max_block_m=128, block_n_large=32, num_warps_large=8, num_stages_large=3)
+    dev = torch.device(DEV)
+    shape = {"num_q_heads": 64, "num_kv_heads": 8, "max_kv_len": 8192}
+    large = plan_launch(dev, num_rows=256, num_seqs=16, max_q_len=16, num_splits=1, **shape)
+    small = plan_launch(dev, num_rows=128, num_seqs=16, max_q_len=8, num_splits=1, **shape)
+    split = plan_launch(dev, num_rows=8, num_seqs=1, max_q_len=8, num_splits=4, **shape)
+    assert (large.block_m, large.block_n, large.num_warps, large.num_stages) == (128, 32, 8, 3)
+    assert (small.block_m, small.block_n, small.num_warps) == (64, t.block_n, t.num_warps)
+    assert small.num_stages == t.num_stages and split.num_stages == t.num_stages_split
+    assert large.max_regs == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_tiles=st.integers(1, 600),
+    num_kv_heads=st.sampled_from([1, 2, 8]),
+    max_kv_len=st.integers(16, 1 << 17),
+    large=st.booleans(),
+)
+def test_splits_never_spill_into_a_partial_wave(num_tiles, num_kv_heads, max_kv_len, large):
+    device = torch.device(DEV)
+    cfg = arch.arch_config(device).attention
+    per_sm = cfg.programs_per_sm_large if large else cfg.programs_per_sm
+    slots = per_sm * arch.num_compute_units(device)
+    splits = choose_num_splits(device, num_tiles, num_kv_heads, max_kv_len, large_tiles=large)
+    programs = num_tiles * num_kv_heads
+    assert 1 <= splits <= cfg.max_splits
+    if splits > 1:
+        assert programs * splits <= slots  # the split grid fits one wave
+        assert max_kv_len // splits >= cfg.min_split_len  # each split worth its launch
+        # as many splits as the wave, the cap and the length allow
+        assert (
+            programs * (splits + 1) > slots
+            or splits == cfg.max_splits
+            or max_kv_len // cfg.min_split_len == splits
+        )
