@@ -35,7 +35,7 @@ import triton.testing
 from kernels import arch
 from kernels.accept import accept_greedy, accept_rejection
 from kernels.argmax import argmax_rows, topk_rows
-from kernels.attention import verify_attention
+from kernels.attention import merge_splits, plan_launch, verify_attention
 from kernels.norms import rms_norm, silu_and_mul
 from kernels.rope_kv import rope_and_write_kv
 
@@ -48,26 +48,51 @@ BATCHES = (1, 16, 64)
 GQAS = (4, 8)
 # Milliseconds of kernel time per graph replay; each timing is the median of 10 such replays.
 REP_MS = 25
-# Shapes of the tile sweep: the ones nearest the targets, plus decode at the executor's shape.
-TUNE_SHAPES = (
-    (16, 8192, 16, 8), (16, 8192, 8, 4), (16, 8192, 8, 8), (64, 32768, 16, 8),
-    (1, 32768, 16, 8), (1, 32768, 8, 8), (64, 8192, 1, 4), (64, 1024, 1, 4),
+SWEEP_REP_MS = 15  # the sweep ranks settings; the grid's timings are the published ones
+# The tile sweep (`--tune`) runs in two phases; each tries changes to this GPU's arch-table entry
+# ({}: the entry as it stands) on the shapes they affect, keeps the change with the lowest
+# geometric-mean time over those shapes, and the run then goes on with the winners adopted.
+# Phase 1, tiles of up to 64 query vectors: schedule switches, stages, block_n, occupancy.
+SMALL_SHAPES = (
+    (16, 8192, 8, 4), (16, 8192, 8, 8), (16, 8192, 16, 4), (64, 32768, 8, 8),
+    (64, 8192, 1, 4), (64, 1024, 1, 4), (1, 32768, 8, 8), (1, 32768, 1, 4),
 )
-# Tile settings the sweep tries, as changes to this GPU's arch-table entry ({}: the entry).
-TUNE_CHANGES = (
-    {}, {"num_stages": 3}, {"block_n": 32}, {"block_n": 32, "num_stages": 3}, {"block_n": 128},
-    {"num_warps": 8}, {"programs_per_sm": 2}, {"programs_per_sm": 8},
-    {"max_block_m": 128, "num_stages": 3},
+SMALL_CHANGES = (
+    {}, {"lazy_rescale": 1}, {"pipeline_qk": 1}, {"lazy_rescale": 1, "pipeline_qk": 1},
+    {"num_stages": 3}, {"lazy_rescale": 1, "num_stages": 3},
+    {"block_n": 32, "programs_per_sm": 3}, {"block_n": 32, "lazy_rescale": 1, "programs_per_sm": 3},
+    {"block_n": 32, "lazy_rescale": 1, "programs_per_sm": 4},
+    {"lazy_rescale": 1, "num_stages": 1, "num_stages_split": 1, "max_regs": 168,
+     "programs_per_sm": 3},
+)
+# Phase 2a, 16 rows x GQA 8 (128 query vectors per KV head): one 128-vector tile of 8 warps
+# (two warpgroups, KV read once) against two 64-vector tiles ({}), block_n and stages.
+LARGE_SHAPES = ((16, 8192, 16, 8), (64, 8192, 16, 8), (64, 32768, 16, 8), (1, 32768, 16, 8))
+LARGE_CHANGES = (
+    {}, {"max_block_m": 128}, {"max_block_m": 128, "num_stages_large": 3},
+    {"max_block_m": 128, "num_stages_large": 4}, {"max_block_m": 128, "block_n_large": 128},
+    {"max_block_m": 128, "block_n_large": 128, "num_stages_large": 3},
+    {"max_block_m": 128, "block_n_large": 32, "num_stages_large": 3},
+)
+# Phase 2b, the split path at batch 1: stages of split launches and the split rule.
+SPLIT_SHAPES = ((1, 32768, 16, 8), (1, 32768, 8, 8), (1, 32768, 1, 4), (1, 8192, 8, 4))
+SPLIT_CHANGES = (
+    {}, {"num_stages_split": 3}, {"num_stages_split": 4}, {"max_splits": 64},
+    {"min_split_len": 1024},
+)
+SWEEP_PHASES = (
+    (("small", SMALL_SHAPES, SMALL_CHANGES),),
+    (("large", LARGE_SHAPES, LARGE_CHANGES), ("split", SPLIT_SHAPES, SPLIT_CHANGES)),
 )
 
 
-def time_ms(fn) -> float:
+def time_ms(fn, rep_ms: int = REP_MS) -> float:
     """Median ms of graph replays; eager do_bench if capture fails (recorded as such)."""
     try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median"))
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
     except Exception as exc:
         print(f"graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", flush=True)
-        return float(triton.testing.do_bench(fn, warmup=10, rep=REP_MS, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
 
 
 def copy_bandwidth_tbps(device: torch.device) -> float:
@@ -132,7 +157,8 @@ def sdpa_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, gqa: i
 
 
 def bench_attention_shape(
-    pool: KvPool, batch, ctx, rows, gqa, copy_tbps, with_sdpa=True, with_per_row=True
+    pool: KvPool, batch, ctx, rows, gqa, copy_tbps, with_sdpa=True, with_per_row=True,
+    rep_ms=REP_MS,
 ):
     q, cu, seq_lens, bt = pool.batch(batch, ctx, rows, gqa)
     scale = 1.0 / math.sqrt(HEAD_DIM)
@@ -153,7 +179,24 @@ def bench_attention_shape(
     ours()
     kv_bytes = batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2 * 2
     rec = {"batch": batch, "ctx": ctx, "rows": rows, "gqa": gqa, "kv_bytes": kv_bytes}
-    rec["ours_ms"] = time_ms(ours)
+    launch = plan_launch(
+        q.device,
+        num_rows=q.shape[0],
+        num_seqs=batch,
+        num_q_heads=q.shape[1],
+        num_kv_heads=NUM_KV_HEADS,
+        max_kv_len=bt.shape[1] * PAGE_SIZE,
+        max_q_len=rows,
+    )
+    rec["launch"] = dataclasses.asdict(launch)
+    rec["ours_ms"] = time_ms(ours, rep_ms)
+    if launch.num_splits > 1 and with_per_row:
+        # The merge kernel alone, on partials of the shape the split launch writes.
+        part_out = torch.randn(launch.num_splits, *q.shape, device=q.device)
+        part_lse = torch.randn(launch.num_splits, *q.shape[:2], device=q.device)
+        merged = torch.empty_like(q)
+        rec["merge_ms"] = time_ms(lambda: merge_splits(part_out, part_lse, merged, cu, batch))
+        del part_out, part_lse
     if with_per_row:
         per_row()
         rec["per_row_ms"] = time_ms(per_row)
@@ -176,30 +219,61 @@ def bench_attention_shape(
     return rec
 
 
-def tune(pool: KvPool, device: torch.device, copy_tbps: float) -> list[dict]:
-    """Times our kernel (no baselines) on TUNE_SHAPES under each of TUNE_CHANGES."""
+def sweep_tasks(phase) -> list[tuple[dict, tuple]]:
+    """(changes, shapes) pairs a sweep phase times: what `bench_compile` compiles ahead."""
+    return [(changes, shapes) for _, shapes, candidates in phase for changes in candidates]
+
+
+def tune_phase(pool: KvPool, device: torch.device, copy_tbps: float, phase) -> list[dict]:
+    """Times our kernel (no baselines) on each class's shapes under each of its changes,
+    applied on top of the entry as it stands; the entry is restored afterwards."""
     base = arch.arch_config(device).attention
     results = []
-    for changes in TUNE_CHANGES:
-        set_attention_tiles(device, **changes)
-        tiles = dataclasses.asdict(arch.arch_config(device).attention)
-        for batch, ctx, rows, gqa in TUNE_SHAPES:
-            try:
-                rec = bench_attention_shape(
-                    pool, batch, ctx, rows, gqa, copy_tbps, with_sdpa=False, with_per_row=False
-                )
-            except Exception as exc:
-                rec = {
-                    "batch": batch,
-                    "ctx": ctx,
-                    "rows": rows,
-                    "gqa": gqa,
-                    "error": f"{type(exc).__name__}: {exc}"[:300],
-                }
-            rec.update(changes=changes, tiles=tiles)
-            results.append(rec)
-        set_attention_tiles(device, **dataclasses.asdict(base))
+    for klass, shapes, candidates in phase:
+        for changes in candidates:
+            set_attention_tiles(device, **changes)
+            tiles = dataclasses.asdict(arch.arch_config(device).attention)
+            for batch, ctx, rows, gqa in shapes:
+                try:
+                    rec = bench_attention_shape(
+                        pool, batch, ctx, rows, gqa, copy_tbps, with_sdpa=False,
+                        with_per_row=False, rep_ms=SWEEP_REP_MS,
+                    )
+                except Exception as exc:
+                    rec = {
+                        "batch": batch,
+                        "ctx": ctx,
+                        "rows": rows,
+                        "gqa": gqa,
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                    }
+                rec.update({"class": klass, "changes": changes, "tiles": tiles})
+                results.append(rec)
+            set_attention_tiles(device, **dataclasses.asdict(base))
     return results
+
+
+def pick_winners(results: list[dict]) -> dict[str, dict]:
+    """Per class, the change with the lowest geometric-mean time over the class's shapes.
+
+    A change that failed on any shape is out; so is every change when the entry itself failed.
+    """
+    winners = {}
+    for klass in dict.fromkeys(r.get("class", "") for r in results):
+        by_change: dict[str, list[dict]] = {}
+        for r in results:
+            if r.get("class", "") == klass:
+                by_change.setdefault(json.dumps(r["changes"], sort_keys=True), []).append(r)
+        best, best_score = None, math.inf
+        for key, recs in by_change.items():
+            if any("ours_ms" not in r for r in recs):
+                continue
+            score = math.exp(sum(math.log(r["ours_ms"]) for r in recs) / len(recs))
+            if score < best_score:
+                best, best_score = json.loads(key), score
+        if best is not None:
+            winners[klass] = best
+    return winners
 
 
 def compiled_attention_variants(limit: int = 120) -> list[dict]:
@@ -228,24 +302,28 @@ def compiled_attention_variants(limit: int = 120) -> list[dict]:
 
 
 def tune_table(results: list[dict]) -> str:
-    """Markdown: one line per setting, % of copy bandwidth (time in us) per shape."""
-    shapes = list(dict.fromkeys((r["batch"], r["ctx"], r["rows"], r["gqa"]) for r in results))
-    head = " | ".join(f"b{b} {c // 1024}k r{r} GQA{g}" for b, c, r, g in shapes)
-    lines = [f"| change | {head} |", "|---|" + "---:|" * len(shapes)]
-    by_change: dict[str, dict] = {}
-    for r in results:
-        key = ", ".join(f"{k}={v}" for k, v in r["changes"].items()) or "(table entry)"
-        by_change.setdefault(key, {})[(r["batch"], r["ctx"], r["rows"], r["gqa"])] = r
-    for key, recs in by_change.items():
-        cells = []
-        for shape in shapes:
-            r = recs.get(shape, {})
-            if "ours_ms" in r:
-                cells.append(f"{100 * r['ours_frac_copy']:.1f}% ({r['ours_ms'] * 1e3:.0f})")
-            else:
-                cells.append("error")
-        lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """Markdown: per class, one line per change, % of copy bandwidth (time in us) per shape."""
+    tables = []
+    for klass in dict.fromkeys(r.get("class", "") for r in results):
+        recs_of = [r for r in results if r.get("class", "") == klass]
+        shapes = list(dict.fromkeys((r["batch"], r["ctx"], r["rows"], r["gqa"]) for r in recs_of))
+        head = " | ".join(f"b{b} {c // 1024}k r{r} GQA{g}" for b, c, r, g in shapes)
+        lines = [f"| {klass or 'change'} | {head} |", "|---|" + "---:|" * len(shapes)]
+        by_change: dict[str, dict] = {}
+        for r in recs_of:
+            key = ", ".join(f"{k}={v}" for k, v in r["changes"].items()) or "(table entry)"
+            by_change.setdefault(key, {})[(r["batch"], r["ctx"], r["rows"], r["gqa"])] = r
+        for key, recs in by_change.items():
+            cells = []
+            for shape in shapes:
+                r = recs.get(shape, {})
+                if "ours_ms" in r:
+                    cells.append(f"{100 * r['ours_frac_copy']:.1f}% ({r['ours_ms'] * 1e3:.0f})")
+                else:
+                    cells.append("error")
+            lines.append(f"| {key} | " + " | ".join(cells) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def bench_small_kernels(device: torch.device) -> list[dict]:
@@ -406,20 +484,29 @@ def main(argv: list[str] | None = None) -> int:
         shapes = []
     from kernels import bench_compile  # imports this module: loaded here to avoid a cycle
 
-    record["compile"] = bench_compile.compile_all(
-        device, shapes, TUNE_CHANGES if args.tune else (), small=not args.no_baselines
-    )
-    print("compile", json.dumps(record["compile"]), flush=True)
     pool = KvPool(device, max(BATCHES) * max(CONTEXTS))
     if args.tune:
-        record["tune"] = tune(pool, device, record["copy_tbps"])
+        record["tune"], record["tune_compile"], record["tune_adopted"] = [], [], []
+        for phase in SWEEP_PHASES:
+            compiled = bench_compile.compile_all(device, [], sweep_tasks(phase), small=False)
+            record["tune_compile"].append(compiled)
+            print("compile", json.dumps(compiled), flush=True)
+            results = tune_phase(pool, device, record["copy_tbps"], phase)
+            record["tune"] += results
+            winners = pick_winners(results)
+            record["tune_adopted"].append(winners)
+            adopted = {k: v for changes in winners.values() for k, v in changes.items()}
+            set_attention_tiles(device, **adopted)  # later phases and the grid run with them
+            print(tune_table(results), "\nadopted", json.dumps(winners), flush=True)
+            save()
         record["tune_binaries"] = compiled_attention_variants()
-        save()
-        print(tune_table(record["tune"]), flush=True)
     record["attention_tiles"] = dataclasses.asdict(arch.arch_config(device).attention)
+    print("attention tiles", json.dumps(record["attention_tiles"]), flush=True)
     save()
     if args.no_baselines:
         return 0
+    record["compile"] = bench_compile.compile_all(device, shapes, (), small=True)
+    print("compile", json.dumps(record["compile"]), flush=True)
     record["attention"] = []
     for batch, ctx, rows, gqa in shapes:
         rec = bench_attention_shape(pool, batch, ctx, rows, gqa, record["copy_tbps"])
@@ -449,17 +536,33 @@ def parse_tiles(text: str) -> dict[str, int]:
 def markdown_tables(record: dict) -> str:
     """The attention and small-kernel tables of a record, as Markdown."""
     lines = [
-        "| ctx | batch | rows | GQA | ours us | KV TB/s | % of copy | per-row us | x per-row "
-        "| SDPA us | x SDPA |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ctx | batch | rows | GQA | tile | splits | ours us | KV TB/s | % of copy | per-row us "
+        "| x per-row | SDPA us | x SDPA |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in record["attention"]:
+        launch = r.get("launch", {})
         lines.append(
-            f"| {r['ctx']} | {r['batch']} | {r['rows']} | {r['gqa']} | {r['ours_ms'] * 1e3:.1f} "
+            f"| {r['ctx']} | {r['batch']} | {r['rows']} | {r['gqa']} "
+            f"| {launch.get('block_m', '')} | {launch.get('num_splits', '')} "
+            f"| {r['ours_ms'] * 1e3:.1f} "
             f"| {r['ours_tbps']:.2f} | {100 * r['ours_frac_copy']:.1f} "
             f"| {r['per_row_ms'] * 1e3:.1f} | {r['speedup_vs_per_row']:.2f} "
             f"| {r['sdpa_ms'] * 1e3:.1f} | {r['speedup_vs_sdpa']:.2f} |"
         )
+    merged = [r for r in record["attention"] if "merge_ms" in r]
+    if merged:
+        lines += [
+            "",
+            "| ctx | batch | rows | GQA | splits | ours us | merge alone us | merge share |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in merged:
+            lines.append(
+                f"| {r['ctx']} | {r['batch']} | {r['rows']} | {r['gqa']} "
+                f"| {r['launch']['num_splits']} | {r['ours_ms'] * 1e3:.1f} "
+                f"| {r['merge_ms'] * 1e3:.1f} | {100 * r['merge_ms'] / r['ours_ms']:.0f}% |"
+            )
     lines += ["", "| kernel | ours us | torch us | speed-up |", "|---|---:|---:|---:|"]
     for r in record["small_kernels"]:
         lines.append(
@@ -475,10 +578,12 @@ def markdown_tables(record: dict) -> str:
 
 def print_table(record: dict) -> None:
     print(f"\n{record['gpu']} {record['date_utc']}  copy {record['copy_tbps']:.2f} TB/s")
-    print(" ctx  batch rows gqa |  ours us  TB/s  %copy | per-row us  x | sdpa us  x | relerr")
+    print(" ctx  batch rows gqa  m spl |  ours us  TB/s  %copy | per-row us  x | sdpa us  x | err")
     for r in record["attention"]:
+        launch = r.get("launch", {})
         print(
-            f"{r['ctx']:>5} {r['batch']:>5} {r['rows']:>4} {r['gqa']:>3} | "
+            f"{r['ctx']:>5} {r['batch']:>5} {r['rows']:>4} {r['gqa']:>3} "
+            f"{launch.get('block_m', 0):>3} {launch.get('num_splits', 0):>3} | "
             f"{r['ours_ms'] * 1e3:8.1f} {r['ours_tbps']:5.2f} {100 * r['ours_frac_copy']:5.1f} | "
             f"{r['per_row_ms'] * 1e3:9.1f} {r['speedup_vs_per_row']:5.2f} | "
             f"{r['sdpa_ms'] * 1e3:7.1f} {r['speedup_vs_sdpa']:5.2f} | {r['rel_err_vs_sdpa']:.1e}"

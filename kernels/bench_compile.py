@@ -10,7 +10,9 @@ binaries. A variant that fails here is reported and compiled again by the timing
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import math
 import multiprocessing
 import os
@@ -64,29 +66,30 @@ def _run_task(task: CompileTask) -> str | None:
 def compile_tasks(
     tiles: arch.AttentionTiles,
     shapes: list[tuple[int, int, int, int]],
-    tune_changes: tuple[dict, ...],
+    sweep: list[tuple[dict, tuple]],
     small: bool,
 ) -> list[CompileTask]:
-    """The grid's variants (ours and per-row) under `tiles`, then the sweep's, without repeats."""
+    """The grid's variants (ours and per-row) under `tiles`, then the sweep's (changes to
+    `tiles`, each on its own shapes), without repeats."""
     tasks = [CompileTask("small")] if small else []  # the longest task goes first
     base = tuple(sorted(dataclasses.asdict(tiles).items()))
     for shape in shapes:
         tasks += [CompileTask("attention", base, shape, per_row) for per_row in (False, True)]
-    for changes in tune_changes:
+    for changes, sweep_shapes in sweep:
         changed = dataclasses.replace(tiles, **changes)
         items = tuple(sorted(dataclasses.asdict(changed).items()))
-        tasks += [CompileTask("attention", items, shape) for shape in bench.TUNE_SHAPES]
+        tasks += [CompileTask("attention", items, shape) for shape in sweep_shapes]
     return list(dict.fromkeys(tasks))
 
 
 def compile_all(
     device: torch.device,
     shapes: list[tuple[int, int, int, int]],
-    tune_changes: tuple[dict, ...],
+    sweep: list[tuple[dict, tuple]],
     small: bool,
 ) -> dict:
     """Compiles every variant the run will time; returns counts, wall seconds and errors."""
-    tasks = compile_tasks(arch.arch_config(device).attention, shapes, tune_changes, small)
+    tasks = compile_tasks(arch.arch_config(device).attention, shapes, sweep, small)
     start = time.perf_counter()
     num_workers = max(1, min(len(tasks), (os.cpu_count() or 2) - 1, 16))
     errors: list[str] = []
@@ -101,3 +104,19 @@ def compile_all(
         "seconds": round(time.perf_counter() - start, 1),
         "errors": errors[:10],
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Fills Triton's cache ahead of `kernels.bench --tune`: the first sweep phase's variants
+    (relative to the arch-table entry as committed), e.g. while GPU tests run."""
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("--phase", type=int, default=0, help="sweep phase to compile")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    phase = bench.SWEEP_PHASES[args.phase]
+    print(json.dumps(compile_all(device, [], bench.sweep_tasks(phase), small=False)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

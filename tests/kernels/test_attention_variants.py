@@ -160,3 +160,46 @@ def test_splits_never_spill_into_a_partial_wave(num_tiles, num_kv_heads, max_kv_
             or splits == cfg.max_splits
             or max_kv_len // cfg.min_split_len == splits
         )
+
+
+def _sweep_changes() -> list[dict]:
+    from kernels.bench import SWEEP_PHASES, sweep_tasks
+
+    changes = [c for phase in SWEEP_PHASES for c, _ in sweep_tasks(phase)]
+    # Winners of different classes combine: one case with every switch and large tiles on.
+    changes.append(
+        {
+            "lazy_rescale": 1,
+            "pipeline_qk": 1,
+            "max_block_m": 128,
+            "num_stages_large": 3,
+            "num_stages_split": 3,
+        }
+    )
+    return list({str(sorted(c.items())): c for c in changes}.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("changes", _sweep_changes(), ids=lambda c: str(c) or "entry")
+def test_every_swept_variant_bf16(tiles, changes):
+    # Shapes of the benchmark (head_dim 128, GQA 8, 16-token pages) in one ragged batch:
+    # 16-row verifies, decode rows, an 8-row verify, a 300-row prefill chunk, a padded sequence.
+    tiles(**changes)
+    batch = ragged_batch(
+        [16, 16, 1, 8, 300, 1, 0],
+        [3000, 40, 2000, 900, 100, 0, 0],
+        num_q_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        pad_rows=2,
+    )
+    q = batch[0]
+    ref = verify_attention_ref(*[t.float() if t.is_floating_point() else t for t in batch], 0.088)
+    for num_splits in (None, 1, 5):
+        out = torch.full_like(q, float("nan"))
+        verify_attention(*batch, 0.088, out, num_splits=num_splits, max_q_len=16)
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < 1e-2

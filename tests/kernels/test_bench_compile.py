@@ -32,7 +32,9 @@ def test_stand_in_batch_presents_the_kernel_the_timed_arguments(shape):
 def test_tasks_cover_grid_and_sweep_once():
     tiles = arch.FAMILY_CONFIGS["hopper"].attention
     shapes = [(1, 1024, 1, 4), (16, 8192, 16, 8), (1, 1024, 1, 4)]
-    tasks = compile_tasks(tiles, shapes, ({}, {"num_stages": 3}), small=True)
+    sweep_shapes = bench.SMALL_SHAPES
+    sweep = [({}, sweep_shapes), ({"num_stages": 3}, sweep_shapes)]
+    tasks = compile_tasks(tiles, shapes, sweep, small=True)
     assert tasks[0] == CompileTask("small")
     attention = [t for t in tasks if t.kind == "attention"]
     assert len(attention) == len(set(attention))
@@ -40,12 +42,49 @@ def test_tasks_cover_grid_and_sweep_once():
     for shape in shapes:
         assert CompileTask("attention", base, shape, True) in attention
     staged = dict(base) | {"num_stages": 3}
-    for shape in bench.TUNE_SHAPES:
+    for shape in sweep_shapes:
         assert CompileTask("attention", base, shape) in attention
         assert CompileTask("attention", tuple(sorted(staged.items())), shape) in attention
     # 2 distinct grid shapes x (ours, per-row) + sweep shapes x 2 settings, less the overlap.
-    overlap = sum(s in bench.TUNE_SHAPES for s in set(shapes))
-    assert len(attention) == 2 * 2 + 2 * len(bench.TUNE_SHAPES) - overlap
+    overlap = sum(s in sweep_shapes for s in set(shapes))
+    assert len(attention) == 2 * 2 + 2 * len(sweep_shapes) - overlap
+
+
+def test_sweep_phases_cover_their_classes():
+    for phase in bench.SWEEP_PHASES:
+        pairs = bench.sweep_tasks(phase)
+        assert len(pairs) == sum(len(candidates) for _, _, candidates in phase)
+        for _, shapes, candidates in phase:
+            assert candidates[0] == {}  # the entry as it stands is always a candidate
+            assert len(set(shapes)) == len(shapes)
+    # Changes of the classes of one phase touch disjoint fields, so their winners combine.
+    for phase in bench.SWEEP_PHASES:
+        fields = [{k for c in candidates for k in c} for _, _, candidates in phase]
+        for i, a in enumerate(fields):
+            for b in fields[i + 1 :]:
+                assert not a & b
+    names = {f.name for f in dataclasses.fields(arch.AttentionTiles)}
+    for phase in bench.SWEEP_PHASES:
+        for changes, _ in bench.sweep_tasks(phase):
+            assert set(changes) <= names
+
+
+def test_winners_are_the_lowest_geometric_mean_per_class():
+    def rec(klass, changes, ms):
+        return {"class": klass, "changes": changes, "ours_ms": ms}
+
+    results = [
+        rec("a", {}, 1.0),
+        rec("a", {}, 4.0),  # geometric mean 2.0
+        rec("a", {"x": 1}, 0.5),
+        rec("a", {"x": 1}, 9.0),  # 2.12: a lower best shape does not win
+        rec("a", {"y": 1}, 1.5),
+        rec("a", {"y": 1}, 2.5),  # 1.94: the winner
+        rec("b", {}, 1.0),
+        {"class": "b", "changes": {"z": 1}, "error": "boom"},
+        rec("b", {"z": 1}, 0.1),  # failed on one shape: out
+    ]
+    assert bench.pick_winners(results) == {"a": {"y": 1}, "b": {}}
 
 
 def test_parse_tiles():
