@@ -43,6 +43,7 @@ class AttentionTiles:
     lazy_rescale: int  # 1: rescale the accumulator only when a row's max grows by > 2**8
     pipeline_qk: int  # 1: issue q.k of the next KV tile before this tile's softmax and PV
     max_regs: int  # NVIDIA, tiles of up to 64 query vectors: register cap per thread, 0: none
+    max_regs_large: int  # the same for larger tiles (128 lets two 8-warp programs share an SM)
     waves_per_eu: int  # AMD only: occupancy hint, 0 leaves it to the compiler
     min_split_len: int  # fewest KV tokens worth a split of their own
     max_splits: int
@@ -70,7 +71,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             block_n=64, max_block_m=64, num_warps=4, num_stages=2,
             num_stages_split=2, block_n_large=64, num_warps_large=8,
             num_stages_large=2, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            waves_per_eu=0,
+            max_regs_large=0, waves_per_eu=0,
             min_split_len=512, max_splits=32, programs_per_sm=2,
             programs_per_sm_large=1,
         ),
@@ -86,7 +87,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             block_n=64, max_block_m=128, num_warps=4, num_stages=2,
             num_stages_split=2, block_n_large=64, num_warps_large=8,
             num_stages_large=2, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            waves_per_eu=0,
+            max_regs_large=0, waves_per_eu=0,
             min_split_len=512, max_splits=32, programs_per_sm=4,
             programs_per_sm_large=2,
         ),
@@ -102,7 +103,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             block_n=64, max_block_m=128, num_warps=4, num_stages=1,
             num_stages_split=1, block_n_large=64, num_warps_large=8,
             num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            waves_per_eu=2,
+            max_regs_large=0, waves_per_eu=2,
             min_split_len=512, max_splits=32, programs_per_sm=4,
             programs_per_sm_large=2,
         ),
@@ -118,7 +119,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             block_n=32, max_block_m=64, num_warps=4, num_stages=1,
             num_stages_split=1, block_n_large=32, num_warps_large=4,
             num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            waves_per_eu=2,
+            max_regs_large=0, waves_per_eu=2,
             min_split_len=256, max_splits=16, programs_per_sm=4,
             programs_per_sm_large=2,
         ),
@@ -134,7 +135,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             block_n=32, max_block_m=64, num_warps=4, num_stages=1,
             num_stages_split=1, block_n_large=32, num_warps_large=4,
             num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            waves_per_eu=2,
+            max_regs_large=0, waves_per_eu=2,
             min_split_len=256, max_splits=16, programs_per_sm=4,
             programs_per_sm_large=2,
         ),
@@ -150,7 +151,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             block_n=32, max_block_m=64, num_warps=4, num_stages=1,
             num_stages_split=1, block_n_large=32, num_warps_large=4,
             num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            waves_per_eu=0,
+            max_regs_large=0, waves_per_eu=0,
             min_split_len=256, max_splits=16, programs_per_sm=2,
             programs_per_sm_large=1,
         ),

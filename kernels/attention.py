@@ -416,7 +416,7 @@ def plan_launch(
         num_tiles=triton.cdiv(num_rows, rows_per_tile) + num_seqs,
         lazy_rescale=bool(tiles.lazy_rescale),
         pipeline_qk=bool(tiles.pipeline_qk),
-        max_regs=0 if large else tiles.max_regs,
+        max_regs=tiles.max_regs_large if large else tiles.max_regs,
     )
 
 

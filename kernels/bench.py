@@ -66,13 +66,16 @@ SMALL_CHANGES = (
      "programs_per_sm": 3},
 )
 # Phase 2a, 16 rows x GQA 8 (128 query vectors per KV head): one 128-vector tile of 8 warps
-# (two warpgroups, KV read once) against two 64-vector tiles ({}), block_n and stages.
+# (two warpgroups, KV read once) against two 64-vector tiles ({}), block_n and stages; with
+# registers capped at 128 two such programs share an SM.
 LARGE_SHAPES = ((16, 8192, 16, 8), (64, 8192, 16, 8), (64, 32768, 16, 8), (1, 32768, 16, 8))
 LARGE_CHANGES = (
     {}, {"max_block_m": 128}, {"max_block_m": 128, "num_stages_large": 3},
     {"max_block_m": 128, "num_stages_large": 4}, {"max_block_m": 128, "block_n_large": 128},
     {"max_block_m": 128, "block_n_large": 128, "num_stages_large": 3},
     {"max_block_m": 128, "block_n_large": 32, "num_stages_large": 3},
+    {"max_block_m": 128, "max_regs_large": 128, "programs_per_sm_large": 2},
+    {"max_block_m": 128, "max_regs_large": 128, "programs_per_sm_large": 2, "num_stages_large": 3},
 )
 # Phase 2b, the split path at batch 1: stages of split launches and the split rule.
 SPLIT_SHAPES = ((1, 32768, 16, 8), (1, 32768, 8, 8), (1, 32768, 1, 4), (1, 8192, 8, 4))
