@@ -102,27 +102,20 @@ class Model:
             else:
                 x, residual = ops.rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps, residual)
             qkv = torch.nn.functional.linear(x, lw.qkv, lw.qkv_bias)  # [num_rows, q + 2 kv]
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.reshape(num_rows, cfg.num_q_heads, cfg.head_dim)
-            k = k.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(num_rows, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = ops.head_rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-                k = ops.head_rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-            else:
-                q, k = q.contiguous(), k.contiguous()
-            v = v.contiguous()
-            ops.rope_and_write_kv(
-                q,
-                k,
-                v,
+            # q/k head norm (Qwen3), RoPE and the K/V store read qkv in place in one pass.
+            q = ops.qk_norm_rope_and_write_kv(
+                qkv,
+                lw.q_norm,
+                lw.k_norm,
+                cfg.rms_norm_eps,
                 meta.positions,
                 self.cos_sin,
                 meta.slot_mapping,
                 k_caches[i],
                 v_caches[i],
-                is_neox=True,
-            )
+                num_q_heads=cfg.num_q_heads,
+                is_neox=True,  # every supported architecture rotates halves (HF rotate_half)
+            )  # [num_rows, num_q_heads, head_dim]
             attn = ops.verify_attention(
                 q,
                 k_caches[i],

@@ -12,9 +12,8 @@ import torch
 @dataclass(frozen=True)
 class OpSet:
     rms_norm: object
-    head_rms_norm: object
+    qk_norm_rope_and_write_kv: object
     silu_and_mul: object
-    rope_and_write_kv: object
     verify_attention: object
     argmax_rows: object
 
@@ -26,9 +25,8 @@ def _load(name: str, attr: str):
 def reference_ops() -> OpSet:
     return OpSet(
         rms_norm=_load("norms", "rms_norm_ref"),
-        head_rms_norm=_load("norms", "head_rms_norm_ref"),
+        qk_norm_rope_and_write_kv=_load("fused_qk", "qk_norm_rope_and_write_kv_ref"),
         silu_and_mul=_load("norms", "silu_and_mul_ref"),
-        rope_and_write_kv=_load("rope_kv", "rope_and_write_kv_ref"),
         verify_attention=_load("attention", "verify_attention_ref"),
         argmax_rows=_load("argmax", "argmax_rows_ref"),
     )
@@ -37,9 +35,8 @@ def reference_ops() -> OpSet:
 def triton_ops() -> OpSet:
     return OpSet(
         rms_norm=_load("norms", "rms_norm"),
-        head_rms_norm=_load("norms", "head_rms_norm"),
+        qk_norm_rope_and_write_kv=_load("fused_qk", "qk_norm_rope_and_write_kv"),
         silu_and_mul=_load("norms", "silu_and_mul"),
-        rope_and_write_kv=_load("rope_kv", "rope_and_write_kv"),
         verify_attention=_load("attention", "verify_attention"),
         argmax_rows=_load("argmax", "argmax_rows"),
     )

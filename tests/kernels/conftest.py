@@ -19,6 +19,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         "kernels.attention",
         "kernels.rope_kv",
         "kernels.norms",
+        "kernels.fused_qk",
         "kernels.argmax",
         "kernels.accept",
     ):
