@@ -21,196 +21,166 @@ happens with probability p(x_j), and on a mismatch y_j is a draw of p conditione
 x_j, so the rule holds exactly, and the emitted tokens are the very tokens plain decoding would
 have drawn with that seed: a seeded request's output does not depend on the route.
 
-Everything is computed for all rows at once on the device; small vectors go to the host (per
-row the argmax, the plain draw, and for drafts with a distribution the accept flag and the
-residual draw), which then walks each group's prefix. Random numbers come from the
-counter-based generator keyed by (seed, position of the token, purpose): a seeded request gives
-the same output whatever the batch, and AR rows and the bonus draw of a fully accepted group use
-the same numbers for the same position.
+Two halves, so the host can work while the device runs:
+- `launch_accept` enqueues everything for all rows at once on the device (penalties, argmax,
+  seeded draws, the rejection tests) and starts ONE copy of the per-row results (argmax, draw,
+  accept flag, residual draw) into pinned host memory;
+- `finish_accept` waits for that copy and walks every group's accepted prefix with array
+  operations (`walk_groups`): no per-request Python.
+Random numbers come from the counter-based generator keyed by (seed, position of the token,
+purpose): a seeded request gives the same output whatever the batch, and AR rows and the bonus
+draw of a fully accepted group use the same numbers for the same position.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from executor import sampling
 from executor.rng import Stream
-from scheduler.plan import Mode, ReqPlan, TokenLogprob
+from scheduler.plan import TokenLogprob
+
+# rows of the packed per-row result copied to the host
+_GREEDY, _DRAW, _ACCEPT, _RESIDUAL = range(4)
 
 
 @dataclass
-class AcceptInputs:
-    logits: torch.Tensor  # [num_logit_rows, vocab] float32, in plan order
-    reqs: tuple[ReqPlan, ...]
-    slots: dict  # slot -> SlotState
-    drafts: dict[int, list[int]]  # req_id -> drafted tokens (SPEC only)
-    draft_probs: torch.Tensor | None  # [sum(num_draft), vocab] or None
-    forced_accept: list[int] | None = None  # synthetic drafter: accepted counts to take as given
+class AcceptLaunch:
+    """The device half of a round's acceptance, in flight."""
+
+    logits: torch.Tensor  # [L, V] penalised logits (logprobs are computed from them)
+    packed: torch.Tensor  # [4, L] int64 host tensor (pinned on a GPU), filled by the copy
+    event: torch.cuda.Event | None  # recorded after the copy; None on a CPU (already done)
+    has_draws: bool  # rows _DRAW.. hold data (some row samples)
+    has_rejection: bool  # rows _ACCEPT/_RESIDUAL hold data (drafts with a distribution)
 
 
-@dataclass
-class Accepted:
-    token_ids: list[int]
-    num_accepted: int = 0
-    logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-@dataclass
-class _Rows:
-    """Per logit row: whose it is and what it samples."""
-
-    specs: list
-    req_ids: list[int]
-    steps: list[int]  # sequence index of the token the row samples
-    slots: list[int]
-    next_draft: list[int]  # draft fed at the next row (-1: none)
-    preceding: list[list[int]]  # drafts before this row inside its group (count as output)
-
-
-def _collect_rows(inp: AcceptInputs) -> _Rows:
-    rows = _Rows([], [], [], [], [], [])
-    for r in inp.reqs:
-        if r.mode == Mode.PREFILL and not r.sample:
-            continue
-        st = inp.slots[r.slot]
-        first_pos = r.num_computed + r.num_new - 1 if r.mode == Mode.PREFILL else r.num_computed
-        n = r.num_new if r.mode == Mode.SPEC else 1
-        drafts = inp.drafts.get(r.req_id, [])
-        for j in range(n):
-            rows.specs.append(st.sampling)
-            rows.req_ids.append(r.req_id)
-            rows.steps.append(first_pos + j + 1)
-            rows.slots.append(r.slot)
-            rows.next_draft.append(drafts[j] if j < len(drafts) else -1)
-            rows.preceding.append(drafts[:j])
-    return rows
-
-
-def _draft_rows(inp: AcceptInputs, num_rows: int, vocab: int, device) -> torch.Tensor | None:
-    """Draft distributions aligned to logit rows [num_rows, vocab] (zeros where none)."""
-    if inp.draft_probs is None:
-        return None
-    q = torch.zeros(num_rows, vocab, dtype=torch.float32, device=device)
-    row = 0
-    k = 0
-    for r in inp.reqs:
-        if r.mode == Mode.PREFILL and not r.sample:
-            continue
-        if r.mode == Mode.SPEC:
-            q[row : row + r.num_draft] = inp.draft_probs[k : k + r.num_draft]
-            k += r.num_draft
-            row += r.num_new
-        else:
-            row += 1
-    return q
-
-
-def accept_batch(inp: AcceptInputs, sampler) -> list[Accepted]:
-    logits = inp.logits  # [L, V]
+def launch_accept(
+    logits: torch.Tensor,  # [L, V] float32, logit rows in row order
+    st: sampling.SamplingTensors,
+    sampler,
+    row_slots: np.ndarray,  # [L] slot of each logit row (penalties only)
+    preceding: list[list[int]] | None,  # per logit row the drafts before it (penalties only)
+    next_draft: torch.Tensor,  # [L] int64 on the device: draft fed at the next row, -1: none
+    draft_probs: torch.Tensor | None,  # [num draft rows, vocab] or None
+    draft_rows: torch.Tensor | None,  # [num draft rows] logit rows the drafts' q belong to
+) -> AcceptLaunch:
     num_rows, vocab = logits.shape
     dev = logits.device
-    rows = _collect_rows(inp)
-    st = sampling.SamplingTensors.build(
-        rows.specs,
-        rows.req_ids,
-        rows.steps,
-        vocab_size=vocab,
-        base_seed=sampler.base_seed,
-        device=dev,
-    )
-    logits = sampler.penalize(logits, st, rows.slots, rows.preceding)  # [L, V]
-    greedy_t = logits.argmax(dim=-1)  # [L]
-    host = {"greedy": greedy_t}
+    if st.use_penalties:
+        logits = sampler.penalize(logits, st, row_slots.tolist(), preceding)  # [L, V]
+    packed_dev = torch.empty((4, num_rows), dtype=torch.int64, device=dev)  # [4, L]
+    packed_dev[_GREEDY] = logits.argmax(dim=-1)
+    has_draws = has_rejection = False
     if not st.all_greedy:
+        has_draws = True
         probs = sampling.process_logits(logits, st)  # [L, V]
-        host["draw"] = sampling.sample_from_probs(probs, st, Stream.SAMPLE)  # [L]
-        q = _draft_rows(inp, num_rows, vocab, dev) if inp.drafts else None
-        if q is not None:  # drafts with a distribution: the rejection test
-            nxt = torch.tensor(rows.next_draft, dtype=torch.int64).to(dev, non_blocking=True)
-            has_next = nxt >= 0  # [L]
-            x = nxt.clamp(min=0)[:, None]  # [L, 1]
+        packed_dev[_DRAW] = sampling.sample_from_probs(probs, st, Stream.SAMPLE)
+        if draft_probs is not None and draft_rows is not None:  # the rejection test
+            has_rejection = True
+            q = torch.zeros(num_rows, vocab, dtype=torch.float32, device=dev)  # [L, V]
+            q.index_copy_(0, draft_rows, draft_probs)
+            has_next = next_draft >= 0  # [L]
+            x = next_draft.clamp(min=0)[:, None]  # [L, 1]
             p_x = probs.gather(1, x)[:, 0]  # [L]
             q_x = q.gather(1, x)[:, 0]
             residual = (probs - q).clamp(min=0.0)
             u = sampling.uniforms(st, 1, Stream.ACCEPT)[:, 0]  # [L]
-            host["accept"] = has_next & (u * q_x < p_x)
-            host["residual"] = sampling.sample_from_probs(residual, st, Stream.RESIDUAL)
-    out_host = {k: v.tolist() for k, v in host.items()}  # one sync for all of them
-    greedy_ids = out_host["greedy"]
-
-    results: list[Accepted] = []
-    row = 0
-    spec_i = 0
-    for r in inp.reqs:
-        st_slot = inp.slots[r.slot]
-        if r.mode == Mode.PREFILL and not r.sample:
-            results.append(Accepted(token_ids=[]))
-            continue
-        greedy = st_slot.sampling.greedy
-        if r.mode != Mode.SPEC:
-            tok = greedy_ids[row] if greedy else out_host["draw"][row]
-            results.append(Accepted(token_ids=[tok]))
-            row += 1
-            continue
-        drafts = inp.drafts[r.req_id]
-        d = r.num_draft
-        if inp.forced_accept is not None:
-            # synthetic acceptance: the drafter decided the count; emit the target's own tokens
-            n_acc = min(inp.forced_accept[spec_i], d)
-            tokens = greedy_ids[row : row + n_acc + 1]
-        elif greedy:
-            n_acc = 0
-            while n_acc < d and drafts[n_acc] == greedy_ids[row + n_acc]:
-                n_acc += 1
-            tokens = [*drafts[:n_acc], greedy_ids[row + n_acc]]
-        elif "accept" in out_host:
-            acc = out_host["accept"]
-            n_acc = 0
-            while n_acc < d and acc[row + n_acc]:
-                n_acc += 1
-            last = out_host["draw"][row + d] if n_acc == d else out_host["residual"][row + n_acc]
-            tokens = [*drafts[:n_acc], last]
-        else:  # point-mass drafts: matched against the target's own draws (module doc)
-            draw = out_host["draw"]
-            n_acc = 0
-            while n_acc < d and drafts[n_acc] == draw[row + n_acc]:
-                n_acc += 1
-            tokens = [*drafts[:n_acc], draw[row + n_acc]]
-        results.append(Accepted(token_ids=tokens, num_accepted=n_acc))
-        row += r.num_new
-        spec_i += 1
-    _add_logprobs(inp, logits, results)
-    return results
+            packed_dev[_ACCEPT] = (has_next & (u * q_x < p_x)).to(torch.int64)
+            packed_dev[_RESIDUAL] = sampling.sample_from_probs(residual, st, Stream.RESIDUAL)
+    event = None
+    if dev.type == "cuda":
+        packed = torch.empty((4, num_rows), dtype=torch.int64, pin_memory=True)
+        packed.copy_(packed_dev, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        packed = packed_dev
+    return AcceptLaunch(logits, packed, event, has_draws, has_rejection)
 
 
-def _add_logprobs(inp: AcceptInputs, logits: torch.Tensor, results: list[Accepted]) -> None:
-    """Logprobs of the emitted tokens, for the requests that asked (one more device op)."""
-    wanted_rows, wanted_ids, owners = [], [], []
-    row = 0
-    max_k = 0
-    for i, (r, acc) in enumerate(zip(inp.reqs, results)):
-        if r.mode == Mode.PREFILL and not r.sample:
-            continue
-        k = inp.slots[r.slot].sampling.logprobs
-        if k is not None:
-            max_k = max(max_k, k)
-            for j, tok in enumerate(acc.token_ids):
-                wanted_rows.append(row + j)
-                wanted_ids.append(tok)
-                owners.append((i, k))
-        row += r.num_new if r.mode == Mode.SPEC else 1
-    if not wanted_rows:
-        return
+def finish_accept(launch: AcceptLaunch) -> np.ndarray:
+    """Waits for the copy; returns the per-row results [4, L] int64 on the host."""
+    if launch.event is not None:
+        launch.event.synchronize()
+    return launch.packed.numpy()
+
+
+def walk_groups(
+    host: np.ndarray,  # [4, L] from finish_accept
+    input_ids: np.ndarray,  # [R] the round's input ids (drafts are fed at rows 1..d of a group)
+    group_rows: np.ndarray,  # [n + 1] row starts of the decode groups (logit rows = rows there)
+    num_draft: np.ndarray,  # [n]
+    greedy: np.ndarray,  # [n] bool: the request decodes greedily
+    has_rejection: bool,
+    forced_accept: np.ndarray | None,  # [n] accepted counts given by a synthetic drafter
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The decode groups' accepted prefixes, all at once. Returns (num_accepted [n],
+    num_emitted [n], flat emitted tokens [sum(num_emitted)]): per group the accepted drafts,
+    then the correction or bonus token."""
+    n = len(num_draft)
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    num_rows = int(group_rows[-1])
+    rows_per = np.diff(group_rows)  # [n] = 1 + num_draft
+    owner = np.repeat(np.arange(n), rows_per)  # [R] group of each row
+    j = np.arange(num_rows) - group_rows[owner]  # [R] row index inside its group
+    has_next = j < num_draft[owner]  # [R] a draft is fed at the next row
+    fed = np.zeros(num_rows, dtype=np.int64)
+    fed[:-1] = input_ids[1:num_rows]  # [R] the token fed at the next row
+    greedy_ids = host[_GREEDY, :num_rows]
+    row_greedy = greedy[owner]  # [R]
+    # Per row: does its draft survive, and which token ends the group if the chain stops here.
+    if forced_accept is not None:
+        # synthetic acceptance: the drafter decided the count; emit the target's own tokens
+        num_accepted = np.minimum(forced_accept, num_draft)
+        tokens_at = greedy_ids
+    else:
+        draw = host[_DRAW, :num_rows]
+        if has_rejection:
+            match = np.where(row_greedy, fed == greedy_ids, host[_ACCEPT, :num_rows] > 0)
+            stop_token = np.where(has_next, host[_RESIDUAL, :num_rows], draw)
+            end_token = np.where(row_greedy, greedy_ids, stop_token)
+        else:  # greedy match, or point-mass drafts matched against the target's own draws
+            end_token = np.where(row_greedy, greedy_ids, draw)
+            match = fed == end_token
+        # first row whose draft is rejected (or the last row): the accepted count
+        stop_at = np.where(has_next & match, num_rows, j)  # [R]
+        num_accepted = np.minimum.reduceat(stop_at, group_rows[:-1])
+        tokens_at = end_token
+    num_emitted = num_accepted + 1
+    # emitted token k of group i: the draft fed at row k + 1 for k < accepted (the target's own
+    # token there when forced), then the end token of row `accepted`
+    tok_owner = np.repeat(np.arange(n), num_emitted)
+    k = np.arange(int(num_emitted.sum())) - np.repeat(
+        np.cumsum(num_emitted) - num_emitted, num_emitted
+    )
+    row = group_rows[tok_owner] + k
+    last = k == num_accepted[tok_owner]
+    if forced_accept is not None:
+        tokens = tokens_at[row]
+    else:
+        tokens = np.where(last, tokens_at[row], fed[row])
+    return num_accepted, num_emitted, tokens
+
+
+def logprobs_of(
+    logits: torch.Tensor,  # [L, V] penalised
+    rows: list[int],  # logit rows of the emitted tokens that want logprobs
+    token_ids: list[int],
+    ks: list[int],  # top-k alternatives per entry
+) -> list[TokenLogprob]:
+    """Logprobs of emitted tokens (one more device op and copy; only requests that ask)."""
     dev = logits.device
-    idx = torch.tensor(wanted_rows, dtype=torch.int64, device=dev)
-    ids = torch.tensor(wanted_ids, dtype=torch.int64, device=dev)
-    chosen, top_ids, top_lps = sampling.compute_logprobs(logits[idx], ids, max_k)
+    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
+    chosen, top_ids, top_lps = sampling.compute_logprobs(logits[idx], ids, max(ks))
     chosen, top_ids, top_lps = chosen.tolist(), top_ids.tolist(), top_lps.tolist()
-    per_req: dict[int, list[TokenLogprob]] = {}
-    for n, (i, k) in enumerate(owners):
-        top = tuple(zip(top_ids[n][:k], top_lps[n][:k]))
-        per_req.setdefault(i, []).append(TokenLogprob(wanted_ids[n], chosen[n], top))
-    for i, lps in per_req.items():
-        results[i].logprobs = tuple(lps)
+    return [
+        TokenLogprob(token_ids[n], chosen[n], tuple(zip(top_ids[n][:k], top_lps[n][:k])))
+        for n, k in enumerate(ks)
+    ]

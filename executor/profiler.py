@@ -176,9 +176,9 @@ class RoundTimer:
                     new_block_ids=blocks,
                 )
             )
-        plan = RoundPlan(
+        plan = RoundPlan.from_reqs(
+            reqs,
             round_id=0,
-            reqs=tuple(reqs),
             num_rows=num_rows,
             row_bucket=num_rows,
             spec_depth=rows_per_seq,
@@ -194,9 +194,7 @@ class RoundTimer:
                 # Every repeat re-runs the same rows from the same committed state: reset what
                 # the previous repeat committed (the KV contents do not matter for timing).
                 for r in reqs:
-                    st = ex.slots[r.slot]
-                    del st.context[kv_len:]
-                    st.num_computed = kv_len - 1
+                    ex.rewind(r.slot, kv_len)
                 _sync(ex.device)
                 t0 = time.perf_counter()
                 result = ex.run(plan)

@@ -4,13 +4,20 @@
 Per round:
 1. apply releases and set-ups (per-slot host state, drafter state);
 2. drafters propose tokens for the SPEC requests (batched);
-3. build one ragged batch in plan order: PREFILL chunks, AR rows (the last committed token),
-   SPEC groups (last committed token + drafts), padded to the plan's row bucket;
+3. build one ragged batch in plan order: decode rows (the AR row or the SPEC group: last
+   committed token + drafts, straight from the plan's columns), then PREFILL chunks, padded to
+   the plan's row bucket. The host side is numpy over the columns, written into one pinned
+   buffer and uploaded with ONE non-blocking copy (ids, positions, slot mapping, cu lens, seq
+   lens, block-table rows, sampling parameters);
 4. one target forward over all rows; K/V written into the paged cache in place;
-5. accept on the device (greedy match or exact rejection sampling); only counts and tokens go
-   to the host;
+5. accept on the device (greedy match or exact rejection sampling); one copy of the per-row
+   results to the host;
 6. commit by advancing each slot's committed length: accepted K/V were written by the verify pass
    itself, rejected rows lie past the end. No second pass, no copy.
+
+`launch(plan)` does 1-5 up to the start of that copy without waiting for the device;
+`finish(pending)` waits for the copy, walks the accepted prefixes (array work) and commits. The
+engine does the previous round's per-output work in between. `run = finish(launch(plan))`.
 
 Invariant per decoding slot: `num_computed == len(context) - 1` (the last token's KV is written by
 the round that feeds it).
@@ -19,36 +26,102 @@ the round that feeds it).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from executor.accept import AcceptInputs, accept_batch
+from executor import rng
+from executor.accept import AcceptLaunch, finish_accept, launch_accept, logprobs_of, walk_groups
 from executor.drafters.base import DraftBatch, Drafter, DraftRequest
 from executor.graphs import DEFAULT_BUCKETS, DecodeGraphs, bucket_for
 from executor.kv_cache import KVCache
 from executor.model import AttnMetadata, Model
 from executor.row_sampler import RowSampler
+from executor.sampling import SamplingTensors
 from scheduler.plan import (
-    Mode,
+    Emitted,
     PhaseTimes,
-    ReqResult,
     RoundPlan,
     RoundResult,
     SamplingSpec,
+    offsets,
 )
+
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
+
+
+class _HostBuffer:
+    """Double-buffered (pinned on a GPU) byte buffer that one round's inputs are packed into
+    and uploaded from in one copy. Regions are 8-byte aligned so the device side can view them
+    with their own dtypes."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.bufs: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
+        self.which = 0
+        self.layout: list[tuple[str, int, np.dtype, tuple[int, ...]]] = []
+        self.arrays: dict[str, np.ndarray] = {}
+        self.size = 0
+
+    def start(self) -> None:
+        self.layout, self.arrays, self.size = [], {}, 0
+        self.which ^= 1
+
+    def add(self, name: str, values: np.ndarray, dtype) -> None:
+        values = np.ascontiguousarray(values, dtype=dtype)
+        self.arrays[name] = values
+        self.layout.append((name, self.size, values.dtype, values.shape))
+        self.size += -(-values.nbytes // 8) * 8
+
+    def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
+        buf = self.bufs[self.which]
+        if buf.numel() < self.size:
+            size = max(self.size, 2 * buf.numel(), 4096)
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+            self.bufs[self.which] = buf
+        host = buf.numpy()
+        for name, start, _, _ in self.layout:
+            values = self.arrays[name]
+            host[start : start + values.nbytes] = values.view(np.uint8).reshape(-1)
+        dev = buf[: self.size].to(device, non_blocking=True)  # the one host -> device copy
+        out = {}
+        for name, start, dtype, shape in self.layout:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            out[name] = dev[start : start + nbytes].view(_TORCH_DTYPE[dtype]).view(shape)
+        return out
+
+
+_TORCH_DTYPE = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+}
 
 
 @dataclass
-class SlotState:
-    req_id: int
-    context: list[int]  # prompt + committed outputs
-    sampling: SamplingSpec
-    prompt_len: int
-    num_computed: int = 0
-    num_emitted: int = 0  # tokens emitted since set-up started (RNG step key)
-    block_ids: list[int] = field(default_factory=list)
+class PendingRound:
+    """A launched round: everything `finish` needs once the device is done."""
+
+    plan: RoundPlan
+    t0: float
+    t_draft0: float = 0.0
+    t_build0: float = 0.0
+    t_fwd0: float = 0.0
+    t_acc0: float = 0.0
+    t_launched: float = 0.0
+    slots: np.ndarray | None = None  # [m] slot of every planned request in row order
+    input_ids: np.ndarray | None = None  # [R]
+    group_rows: np.ndarray | None = None  # [m + 1] row starts
+    sample_rows: np.ndarray | None = None  # [num prefill chunks that sample] logit rows
+    sample_of: np.ndarray | None = None  # [same] index of those chunks among the requests
+    accept: AcceptLaunch | None = None
+    drafts: DraftBatch | None = None
+    fwd_events: tuple | None = None
+    num_rows: int = 0
+    num_padded: int = 0
+    num_kv_tokens: int = 0
+    bucket: int = 0
 
 
 class RoundExecutor:
@@ -80,14 +153,30 @@ class RoundExecutor:
             device=target.device,
         )
         self.drafter = drafter
-        self.slots: dict[int, SlotState] = {}
+        self.vocab_size = target.config.vocab_size
+        # Per-slot host state, one row per slot.
+        self.slot_req = np.full(max_slots, -1, dtype=np.int64)  # req_id, -1: free
+        self.num_computed = np.zeros(max_slots, dtype=np.int64)
+        self.context_len = np.zeros(max_slots, dtype=np.int64)  # prompt + committed outputs
+        self.num_emitted = np.zeros(max_slots, dtype=np.int64)  # since set-up (RNG step key)
+        self.prompt_len = np.zeros(max_slots, dtype=np.int64)
+        self.tokens = np.zeros((max_slots, max_model_len + 1), dtype=np.int32)  # contexts
+        self.sampling: list[SamplingSpec | None] = [None] * max_slots
+        self.float_params = np.zeros((len(_FLOAT_PARAMS), max_slots), dtype=np.float32)
+        self.top_k = np.zeros(max_slots, dtype=np.int64)  # vocab size when off
+        self.seed = np.zeros(max_slots, dtype=np.int64)
+        self.greedy = np.ones(max_slots, dtype=bool)
+        self.penalised = np.zeros(max_slots, dtype=bool)
+        self.logprobs_k = np.full(max_slots, -1, dtype=np.int64)  # -1: no logprobs
         # Host mirror of each slot's block table; the rows a round touches are uploaded at once.
         self.block_tables = np.zeros((max_slots, self.max_blocks_per_seq), dtype=np.int32)
         if drafter is not None and hasattr(drafter, "bind_block_tables"):
             # a model drafter keeps its KV under the same block ids: it reads this table
             drafter.bind_block_tables(self.block_tables)
         self.sampler = RowSampler(target.config.vocab_size, self.device, base_seed, max_slots)
+        self.base_seed = base_seed
         self.sync_phases = sync_phases and self.device.type == "cuda"
+        self._host = _HostBuffer(pinned=self.device.type == "cuda")
         self.graphs: DecodeGraphs | None = None
         if graphs != "off" and self.device.type == "cuda":
             self.graphs = DecodeGraphs(
@@ -107,22 +196,60 @@ class RoundExecutor:
     # -- slot bookkeeping ---------------------------------------------------------------------
     def _apply_setup_release(self, plan: RoundPlan) -> None:
         for slot in plan.release:
-            self.slots.pop(slot, None)
+            self.slot_req[slot] = -1
+            self.sampling[slot] = None
             self.sampler.release_slot(slot)
             if self.drafter is not None:
                 self.drafter.release(slot)
         for s in plan.setup:
             context = list(s.context_token_ids)
-            self.slots[s.slot] = SlotState(
-                req_id=s.req_id,
-                context=context,
-                sampling=s.sampling,
-                prompt_len=len(context) - s.num_output_tokens,
-                num_emitted=s.num_output_tokens,
-            )
-            self.sampler.setup_slot(s.slot, context, len(context) - s.num_output_tokens, s.sampling)
+            slot = s.slot
+            if len(context) > self.tokens.shape[1]:
+                raise ValueError(f"slot {slot}: context of {len(context)} tokens exceeds the limit")
+            prompt_len = len(context) - s.num_output_tokens
+            self.slot_req[slot] = s.req_id
+            self.num_computed[slot] = 0
+            self.context_len[slot] = len(context)
+            self.num_emitted[slot] = s.num_output_tokens
+            self.prompt_len[slot] = prompt_len
+            self.tokens[slot, : len(context)] = context
+            self._set_sampling(slot, s.req_id, s.sampling)
+            self.sampler.setup_slot(slot, context, prompt_len, s.sampling)
             if self.drafter is not None:
-                self.drafter.setup(s.slot, context)
+                self.drafter.setup(slot, context)
+
+    def _set_sampling(self, slot: int, req_id: int, spec: SamplingSpec) -> None:
+        """The slot's sampling parameters as the per-row values `SamplingTensors` holds."""
+        self.sampling[slot] = spec
+        self.float_params[:, slot] = (
+            max(spec.temperature, 0.0),
+            spec.top_p,
+            spec.min_p,
+            spec.presence_penalty,
+            spec.frequency_penalty,
+            spec.repetition_penalty,
+        )
+        vocab = self.vocab_size
+        self.top_k[slot] = spec.top_k if 0 < spec.top_k < vocab else vocab
+        seed = rng.derive_seed(self.base_seed, req_id) if spec.seed is None else spec.seed
+        self.seed[slot] = rng.seed_to_int64(seed)
+        self.greedy[slot] = spec.greedy
+        self.penalised[slot] = (
+            spec.presence_penalty != 0.0
+            or spec.frequency_penalty != 0.0
+            or spec.repetition_penalty != 1.0
+        )
+        self.logprobs_k[slot] = -1 if spec.logprobs is None else spec.logprobs
+
+    def context(self, slot: int) -> np.ndarray:
+        """The slot's committed context (prompt + outputs), a view."""
+        return self.tokens[slot, : self.context_len[slot]]
+
+    def rewind(self, slot: int, context_len: int) -> None:
+        """Forgets the slot's tokens past `context_len` (committed length `context_len - 1`):
+        benchmarks re-run one round from the same state with it."""
+        self.context_len[slot] = context_len
+        self.num_computed[slot] = context_len - 1
 
     def _sync(self) -> None:
         if self.sync_phases:
@@ -130,105 +257,144 @@ class RoundExecutor:
 
     # -- one round ----------------------------------------------------------------------------
     def run(self, plan: RoundPlan) -> RoundResult:
-        t0 = time.perf_counter()
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: RoundPlan) -> PendingRound:
+        """Applies set-ups and releases, drafts, builds the batch and enqueues the forward and
+        the acceptance without waiting for the device."""
+        p = PendingRound(plan=plan, t0=time.perf_counter())
         self._apply_setup_release(plan)
-        reqs = plan.reqs
-        if not reqs:
-            return RoundResult(
-                round_id=plan.round_id,
-                reqs=(),
-                timings=PhaseTimes(),
-                num_rows=0,
-                num_padded_rows=0,
-                num_kv_tokens=0,
+        dec, prefills = plan.decode, plan.prefills
+        n = len(dec)
+        m = n + len(prefills)
+        if m == 0:
+            return p
+        slots = np.concatenate([dec.slots, [q.slot for q in prefills]]).astype(np.int64)
+        req_ids = np.concatenate([dec.req_ids, [q.req_id for q in prefills]]).astype(np.int64)
+        computed = np.concatenate([dec.num_computed, [q.num_computed for q in prefills]])
+        computed = computed.astype(np.int64)
+        bad = np.flatnonzero(
+            (self.slot_req[slots] != req_ids) | (self.num_computed[slots] != computed)
+        )
+        if len(bad):
+            i = int(bad[0])
+            s = int(slots[i])
+            raise RuntimeError(
+                f"plan/executor state mismatch for req {req_ids[i]} in slot {s}: executor has "
+                f"req {self.slot_req[s]} at {self.num_computed[s]} tokens, plan says {computed[i]}"
             )
-        for r in reqs:
-            st = self.slots[r.slot]
-            if st.req_id != r.req_id or st.num_computed != r.num_computed:
-                raise RuntimeError(
-                    f"plan/executor state mismatch for req {r.req_id} in slot {r.slot}: "
-                    f"executor has req {st.req_id} at {st.num_computed} tokens, plan says "
-                    f"{r.num_computed}"
-                )
-            if r.new_block_ids:
-                end = r.block_offset + len(r.new_block_ids)
-                self.block_tables[r.slot, r.block_offset : end] = r.new_block_ids
+        # new KV block ids into the slots' table rows
+        counts = np.diff(dec.block_starts)
+        if len(dec.new_block_ids):
+            owner = np.repeat(np.arange(n), counts)
+            col = (
+                dec.block_offset[owner]
+                + np.arange(len(dec.new_block_ids))
+                - dec.block_starts[owner]
+            )
+            self.block_tables[dec.slots[owner], col] = dec.new_block_ids
+        for q in prefills:
+            if q.new_block_ids:
+                self.block_tables[
+                    q.slot, q.block_offset : q.block_offset + len(q.new_block_ids)
+                ] = q.new_block_ids
 
         # 2. drafts
-        t_draft0 = time.perf_counter()
-        spec = [r for r in reqs if r.mode == Mode.SPEC]
-        drafts: DraftBatch | None = None
-        if spec:
+        p.t_draft0 = time.perf_counter()
+        num_draft = dec.num_draft
+        spec = np.flatnonzero(num_draft)
+        drafts_flat = np.zeros(0, dtype=np.int64)
+        if len(spec):
             if self.drafter is None:
                 raise RuntimeError("plan has SPEC requests but the executor has no drafter")
-            drafts = self.drafter.propose(
+            spec_slots = dec.slots[spec].tolist()
+            spec_draft = num_draft[spec].tolist()
+            p.drafts = self.drafter.propose(
                 [
                     DraftRequest(
-                        r.slot,
-                        self.slots[r.slot].context,
-                        r.num_draft,
-                        temperature=self.slots[r.slot].sampling.temperature,
+                        s,
+                        self.context(s),
+                        d,
+                        temperature=float(self.float_params[0, s]),
                     )
-                    for r in spec
+                    for s, d in zip(spec_slots, spec_draft)
                 ],
-                [self.slots[r.slot].sampling.greedy for r in spec],
+                [bool(self.greedy[s]) for s in spec_slots],
             )
+            for s, d, toks in zip(spec_slots, spec_draft, p.drafts.tokens):
+                if len(toks) != d:
+                    raise RuntimeError(
+                        f"slot {s}: plan has {d} drafts, the drafter gave {len(toks)}"
+                    )
+            drafts_flat = np.asarray([t for toks in p.drafts.tokens for t in toks], dtype=np.int64)
         self._sync()
-        t_build0 = time.perf_counter()
+        p.t_build0 = time.perf_counter()
 
-        # 3. the ragged batch, in plan order
-        input_ids: list[int] = []
-        positions: list[int] = []
-        cu_q_lens = [0]
-        seq_lens: list[int] = []
-        logit_rows: list[int] = []  # rows whose logits are needed
-        draft_of: dict[int, list[int]] = {}
-        spec_idx = 0
-        for r in reqs:
-            st = self.slots[r.slot]
-            start = r.num_computed
-            if r.mode == Mode.PREFILL:
-                tokens = st.context[start : start + r.num_new]
-            elif r.mode == Mode.AR:
-                tokens = [st.context[-1]]
-            else:
-                assert drafts is not None
-                draft_tokens = drafts.tokens[spec_idx]
-                spec_idx += 1
-                draft_of[r.req_id] = draft_tokens
-                tokens = [st.context[-1], *draft_tokens]
-            if len(tokens) != r.num_new:
-                raise RuntimeError(
-                    f"req {r.req_id}: plan has {r.num_new} rows, built {len(tokens)}"
-                )
-            row0 = len(input_ids)
-            input_ids += tokens
-            positions += range(start, start + r.num_new)
-            cu_q_lens.append(len(input_ids))
-            seq_lens.append(start + r.num_new)
-            if r.mode == Mode.PREFILL:
-                if r.sample:
-                    logit_rows.append(row0 + r.num_new - 1)
-            else:
-                logit_rows += range(row0, row0 + r.num_new)
-        num_rows = len(input_ids)
-        dev = self.device
-        pos_np = np.asarray(positions, dtype=np.int64)
-        slot_rows = np.repeat(np.asarray([r.slot for r in reqs]), np.diff(cu_q_lens))
-        block_ids = self.block_tables[slot_rows, pos_np // self.block_size].astype(np.int64)
-        slot_mapping = block_ids * self.block_size + pos_np % self.block_size
-        max_blocks = -(-max(seq_lens) // self.block_size)
-        meta = AttnMetadata(
-            positions=torch.from_numpy(pos_np).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
-            cu_q_lens=torch.tensor(cu_q_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(
-                self.block_tables[[r.slot for r in reqs], :max_blocks]
-            ).to(dev, non_blocking=True),
-            max_q_len=max(r.num_new for r in reqs),
+        # 3. the ragged batch: decode groups, then prefill chunks
+        rows_per = np.concatenate([num_draft + 1, [q.num_new for q in prefills]]).astype(np.int64)
+        group_rows = offsets(rows_per)  # [m + 1]
+        num_rows = int(group_rows[-1])
+        num_dec_rows = int(group_rows[n])
+        owner = np.repeat(np.arange(m), rows_per)  # [R]
+        j = np.arange(num_rows) - group_rows[owner]  # [R]
+        positions = computed[owner] + j  # [R]
+        input_ids = np.empty(num_rows, dtype=np.int64)  # [R]
+        dec_slots = dec.slots
+        input_ids[group_rows[:n]] = self.tokens[dec_slots, self.context_len[dec_slots] - 1]
+        is_draft = j[:num_dec_rows] > 0
+        input_ids[:num_dec_rows][is_draft] = drafts_flat  # drafts in request order = row order
+        for k, q in enumerate(prefills):
+            a = int(group_rows[n + k])
+            input_ids[a : a + q.num_new] = self.tokens[
+                q.slot, q.num_computed : q.num_computed + q.num_new
+            ]
+        slot_rows = slots[owner]
+        bs = self.block_size
+        slot_mapping = (
+            self.block_tables[slot_rows, positions // bs].astype(np.int64) * bs + positions % bs
         )
-        ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        seq_lens = computed + rows_per  # [m]
+        max_blocks = -(-int(seq_lens.max()) // bs)
+        # logit rows: every decode row, the last row of a prefill chunk that samples
+        sample_of = np.array([n + k for k, q in enumerate(prefills) if q.sample], dtype=np.int64)
+        sample_rows = group_rows[sample_of + 1] - 1
+        logit_rows = np.concatenate([np.arange(num_dec_rows), sample_rows]).astype(np.int64)
+        num_logit = len(logit_rows)
+        # per logit row: slot, step (sequence index of the token it samples), next draft
+        row_slot = slot_rows[logit_rows]
+        steps = positions[logit_rows] + 1
+        next_draft = np.full(num_logit, -1, dtype=np.int64)
+        has_next = np.zeros(num_logit, dtype=bool)
+        has_next[:num_dec_rows] = j[:num_dec_rows] < num_draft[owner[:num_dec_rows]]
+        next_draft[np.flatnonzero(has_next)] = drafts_flat
+        host = self._host
+        host.start()
+        host.add("ids", input_ids, np.int64)
+        host.add("positions", positions, np.int64)
+        host.add("slot_mapping", slot_mapping, np.int64)
+        host.add("cu_q_lens", group_rows, np.int32)
+        host.add("seq_lens", seq_lens, np.int32)
+        host.add("block_tables", self.block_tables[slots, :max_blocks], np.int32)
+        host.add("logit_rows", logit_rows, np.int64)
+        host.add("float_params", self.float_params[:, row_slot], np.float32)
+        host.add(
+            "int_params", np.stack([self.top_k[row_slot], self.seed[row_slot], steps]), np.int64
+        )
+        host.add("next_draft", next_draft, np.int64)
+        sampled = np.flatnonzero(~self.greedy[row_slot])
+        mixed = 0 < len(sampled) < num_logit
+        if mixed:
+            host.add("sampled_rows", sampled, np.int64)
+        dev = host.upload(self.device)
+        meta = AttnMetadata(
+            positions=dev["positions"],
+            slot_mapping=dev["slot_mapping"],
+            cu_q_lens=dev["cu_q_lens"],
+            seq_lens=dev["seq_lens"],
+            block_tables=dev["block_tables"],
+            max_q_len=int(rows_per.max()),
+        )
+        st = self._sampling_tensors(dev, row_slot, sampled, mixed)
         bucket = 0
         if self.graphs is not None and plan.is_decode_only:
             # The plan's bucket (the cost model's shape) when it fits the captured range, else
@@ -239,19 +405,19 @@ class RoundExecutor:
             if bucket > self.graphs.max_rows:
                 bucket = 0
         self._sync()
-        t_fwd0 = time.perf_counter()
+        p.t_fwd0 = time.perf_counter()
         if self.device.type == "cuda":
-            fwd_events = (
+            p.fwd_events = (
                 torch.cuda.Event(enable_timing=True),
                 torch.cuda.Event(enable_timing=True),
             )
-            fwd_events[0].record()
+            p.fwd_events[0].record()
 
         # 4. one target forward (graph replay for decode rounds)
         if bucket:
             logits = self.graphs.run(
                 bucket,
-                ids_t,
+                dev["ids"],
                 meta.positions,
                 meta.slot_mapping,
                 meta.cu_q_lens,
@@ -260,79 +426,195 @@ class RoundExecutor:
                 max_q_len=meta.max_q_len,
             )
         else:
-            hidden = self.target.forward(ids_t, meta, self.kv.k, self.kv.v)  # [rows, hidden]
-            if len(logit_rows) < num_rows:
-                hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=dev)]
-            logits = self.target.logits(hidden)  # [num_logit_rows, vocab]
-        num_padded = bucket or num_rows
-        if self.device.type == "cuda":
-            fwd_events[1].record()
-        # Without a sync here the host prepares acceptance (sampling tensors, row bookkeeping)
-        # while the device still runs the forward; the accept's copy to host is the one wait.
+            hidden = self.target.forward(dev["ids"], meta, self.kv.k, self.kv.v)  # [rows, hidden]
+            if num_logit < num_rows:
+                hidden = hidden[dev["logit_rows"]]
+            logits = self.target.logits(hidden)  # [num_logit, vocab]
+        if p.fwd_events is not None:
+            p.fwd_events[1].record()
         self._sync()
-        t_acc0 = time.perf_counter()
+        p.t_acc0 = time.perf_counter()
 
-        # 5. accept on device, counts and tokens to host
-        accepted = accept_batch(
-            AcceptInputs(
-                logits=logits,
-                reqs=reqs,
-                slots=self.slots,
-                drafts=draft_of,
-                draft_probs=drafts.probs if drafts is not None else None,
-                forced_accept=drafts.forced_accept if drafts is not None else None,
-            ),
+        # 5. acceptance on the device, one copy of its per-row results started
+        draft_rows = None
+        if p.drafts is not None and p.drafts.probs is not None:
+            draft_rows = torch.from_numpy(np.flatnonzero(has_next)).to(self.device)
+        preceding = None
+        if st.use_penalties:  # the drafts before each row count as output there
+            preceding = [
+                [int(t) for t in input_ids[r - j[r] + 1 : r + 1]] if r < num_dec_rows else []
+                for r in logit_rows.tolist()
+            ]
+        p.accept = launch_accept(
+            logits,
+            st,
             self.sampler,
+            row_slot,
+            preceding,
+            dev["next_draft"],
+            p.drafts.probs if p.drafts is not None else None,
+            draft_rows,
         )
-        t_commit0 = time.perf_counter()
+        p.slots, p.input_ids, p.group_rows = slots, input_ids, group_rows
+        p.sample_rows, p.sample_of = sample_rows, sample_of
+        p.num_rows = num_rows
+        p.num_padded = bucket or num_rows
+        p.num_kv_tokens = int(seq_lens.sum())
+        p.bucket = bucket
+        p.t_launched = time.perf_counter()
+        return p
 
-        # 6. commit
-        results = []
-        for r, acc in zip(reqs, accepted):
-            st = self.slots[r.slot]
-            if r.mode == Mode.PREFILL:
-                st.num_computed += r.num_new
-            elif r.mode == Mode.AR:
-                st.num_computed += 1
-            else:
-                # the last committed token and the accepted drafts now have valid KV
-                st.num_computed += 1 + acc.num_accepted
-            st.context += acc.token_ids
-            self.sampler.commit(r.slot, acc.token_ids)
-            st.num_emitted += len(acc.token_ids)
-            if self.drafter is not None and acc.token_ids:
-                self.drafter.commit(r.slot, st.context, acc.num_accepted, r.num_draft)
-            results.append(
-                ReqResult(
-                    req_id=r.req_id,
-                    token_ids=tuple(acc.token_ids),
-                    num_drafted=r.num_draft if r.mode == Mode.SPEC else 0,
-                    num_accepted=acc.num_accepted,
-                    logprobs=acc.logprobs,
-                )
+    def _sampling_tensors(self, dev, row_slot, sampled, mixed) -> SamplingTensors:
+        """The rows' sampling parameters on the device, as views of the round's one upload."""
+        floats = dev["float_params"]  # [6, L]
+        ints = dev["int_params"]  # [3, L]
+        greedy_rows = floats[0] <= 0.0
+        greedy = self.greedy[row_slot]
+        sampled_slots = row_slot[~greedy]
+        top_k = self.top_k[sampled_slots]
+        top_ks = top_k[top_k < self.vocab_size]
+        return SamplingTensors(
+            temperature=torch.where(greedy_rows, 1.0, floats[0]),
+            top_p=floats[1],
+            min_p=floats[2],
+            presence_penalty=floats[3],
+            frequency_penalty=floats[4],
+            repetition_penalty=floats[5],
+            top_k=ints[0],
+            seed=ints[1],
+            step=ints[2],
+            greedy=greedy_rows,
+            sampled_rows=dev["sampled_rows"] if mixed else None,
+            num_rows=len(row_slot),
+            all_greedy=bool(greedy.all()),
+            any_greedy=bool(greedy.any()),
+            use_top_k=len(top_ks) > 0,
+            use_top_p=bool((self.float_params[1, sampled_slots] < 1.0).any()),
+            use_min_p=bool((self.float_params[2, sampled_slots] > 0.0).any()),
+            use_penalties=bool(self.penalised[row_slot].any()),
+            max_top_k=int(top_ks.max(initial=0)),
+        )
+
+    def finish(self, p: PendingRound) -> RoundResult:
+        """Waits for the acceptance copy, walks the accepted prefixes and commits."""
+        plan = p.plan
+        if p.accept is None:
+            return RoundResult(
+                round_id=plan.round_id,
+                out=Emitted.build((), (), (), (), ()),
+                timings=PhaseTimes(),
+                num_rows=0,
+                num_padded_rows=0,
+                num_kv_tokens=0,
             )
+        dec = plan.decode
+        n = len(dec)
+        t_wait0 = time.perf_counter()
+        host = finish_accept(p.accept)  # the one wait for the device
+        t_commit0 = time.perf_counter()
+        slots = p.slots
+        m = len(slots)
+        greedy = self.greedy[slots]
+        forced = None
+        if p.drafts is not None and p.drafts.forced_accept is not None:
+            forced = np.zeros(n, dtype=np.int64)
+            forced[np.flatnonzero(dec.num_draft)] = p.drafts.forced_accept
+        num_accepted, emitted_dec, tokens_dec = walk_groups(
+            host,
+            p.input_ids,
+            p.group_rows[: n + 1],
+            dec.num_draft,
+            greedy[:n],
+            p.accept.has_rejection,
+            forced,
+        )
+        # prefill chunks: the token sampled at their last row, none for a partial chunk
+        num_emitted = np.zeros(m, dtype=np.int64)
+        num_emitted[:n] = emitted_dec
+        accepted = np.zeros(m, dtype=np.int64)
+        accepted[:n] = num_accepted
+        num_dec_rows = int(p.group_rows[n])
+        logit_of_sample = num_dec_rows + np.arange(len(p.sample_of))
+        which = np.where(greedy[p.sample_of], 0, 1)
+        sample_tokens = host[which, logit_of_sample] if len(p.sample_of) else np.zeros(0, np.int64)
+        num_emitted[p.sample_of] = 1
+        tokens = np.concatenate([tokens_dec, sample_tokens]).astype(np.int64)
+
+        # 6. commit: committed lengths, contexts, counters
+        is_dec = np.arange(m) < n
+        rows_per = np.diff(p.group_rows)
+        self.num_computed[slots] += np.where(is_dec, 1 + accepted, rows_per)
+        starts = offsets(num_emitted)
+        tok_owner = np.repeat(np.arange(m), num_emitted)
+        tok_slot = slots[tok_owner]
+        tok_pos = self.context_len[tok_slot] + np.arange(len(tokens)) - starts[tok_owner]
+        if len(tok_pos) and int(tok_pos.max()) >= self.tokens.shape[1]:
+            raise RuntimeError("a slot's context grew past the executor's max_model_len")
+        self.tokens[tok_slot, tok_pos] = tokens
+        self.context_len[slots] += num_emitted
+        self.num_emitted[slots] += num_emitted
+        for i in np.flatnonzero(self.penalised[slots] & (num_emitted > 0)).tolist():
+            self.sampler.commit(int(slots[i]), tokens[starts[i] : starts[i + 1]].tolist())
+        if self.drafter is not None:
+            # drafters only hear about rounds in which they drafted: AR and prefill tokens
+            # reach them through the context at their next proposal
+            for i in np.flatnonzero(dec.num_draft).tolist():
+                s = int(slots[i])
+                self.drafter.commit(s, self.context(s), int(num_accepted[i]), int(dec.num_draft[i]))
+        logprobs = self._logprobs(p, starts, tokens, num_emitted)
+        drafted = np.zeros(m, dtype=np.int64)
+        drafted[:n] = dec.num_draft
+        req_ids = np.concatenate([dec.req_ids, [q.req_id for q in plan.prefills]])
+        out = Emitted.build(req_ids, num_emitted, tokens, drafted, accepted, logprobs)
         t_end = time.perf_counter()
         ms = 1e3
         timings = PhaseTimes(
-            build_ms=(t_fwd0 - t_build0 + t_draft0 - t0) * ms,
-            draft_ms=(t_build0 - t_draft0) * ms,
-            catchup_ms=drafts.catchup_ms if drafts is not None else 0.0,
+            build_ms=(p.t_fwd0 - p.t_build0 + p.t_draft0 - p.t0) * ms,
+            draft_ms=(p.t_build0 - p.t_draft0) * ms,
+            catchup_ms=p.drafts.catchup_ms if p.drafts is not None else 0.0,
             # device time of the forward where events exist (host time otherwise)
             forward_ms=(
-                fwd_events[0].elapsed_time(fwd_events[1])
-                if self.device.type == "cuda"
-                else (t_acc0 - t_fwd0) * ms
+                p.fwd_events[0].elapsed_time(p.fwd_events[1])
+                if p.fwd_events is not None
+                else (p.t_acc0 - p.t_fwd0) * ms
             ),
-            accept_ms=(t_commit0 - t_acc0) * ms,
+            # launching the acceptance, then waiting for its copy (the device's remaining work)
+            accept_ms=(p.t_launched - p.t_acc0 + t_commit0 - t_wait0) * ms,
             commit_ms=(t_end - t_commit0) * ms,
-            total_ms=(t_end - t0) * ms,
+            total_ms=(t_end - p.t0) * ms,
         )
         return RoundResult(
             round_id=plan.round_id,
-            reqs=tuple(results),
+            out=out,
             timings=timings,
-            num_rows=num_rows,
-            num_padded_rows=num_padded,
-            num_kv_tokens=sum(seq_lens),
-            graph_replayed=bool(bucket),
+            num_rows=p.num_rows,
+            num_padded_rows=p.num_padded,
+            num_kv_tokens=p.num_kv_tokens,
+            graph_replayed=bool(p.bucket),
         )
+
+    def _logprobs(self, p: PendingRound, starts, tokens, num_emitted) -> dict:
+        """Logprobs of the emitted tokens for the requests that asked (one more device op)."""
+        ks = self.logprobs_k[p.slots]
+        asking = np.flatnonzero((ks >= 0) & (num_emitted > 0))
+        if not len(asking):
+            return {}
+        n = len(p.plan.decode)
+        num_dec_rows = int(p.group_rows[n])
+        rows, ids, kk, owners = [], [], [], []
+        for i in asking.tolist():
+            first = (
+                int(p.group_rows[i])
+                if i < n
+                else num_dec_rows + int(np.flatnonzero(p.sample_of == i)[0])
+            )
+            for k in range(int(num_emitted[i])):
+                rows.append(first + k)
+                ids.append(int(tokens[starts[i] + k]))
+                kk.append(int(ks[i]))
+                owners.append(i)
+        lps = logprobs_of(p.accept.logits, rows, ids, kk)
+        out: dict[int, list] = {}
+        for i, lp in zip(owners, lps):
+            out.setdefault(i, []).append(lp)
+        return {i: tuple(v) for i, v in out.items()}

@@ -1,8 +1,12 @@
 """The engine: one synchronous loop that connects scheduler and executor.
 
-`step()` runs one round (plan -> execute -> update) and turns what the round emitted into
-per-request deltas with stop-string-safe incremental text. The engine is not thread-safe: the
-server drives it from one thread, the offline `LLM` API from the caller's.
+`step()` runs one round: plan, launch it on the device, and while the device computes, turn what
+the *previous* round emitted into per-request outputs (incremental detokenization, stop strings,
+stream text); then wait for the round, and hand its result to the scheduler. A round's outputs
+are therefore returned by the next `step()`. A stop string found in round N's tokens ends the
+request at once (exact truncation), so round N+1's tokens of it are dropped and round N+2 no
+longer plans it; a request aborted meanwhile emits nothing more. The engine is not thread-safe:
+the server drives it from one thread, the offline `LLM` API from the caller's.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import torch
 
 from executor.drafters.base import Drafter
@@ -27,8 +32,8 @@ from hipfire_serve.tokenizer import OutputStream, StreamStep, Tokenizer
 from hipfire_serve.types import CompletionOutput, RequestOutput, SamplingParams
 from scheduler.cost_model import CostModel
 from scheduler.kv_blocks import num_blocks_for
-from scheduler.plan import PhaseTimes, ReqResult, RoundPlan, RoundResult
-from scheduler.request import RequestDelta, RequestSpec
+from scheduler.plan import Emitted, PhaseTimes, RoundPlan, RoundResult
+from scheduler.request import RequestSpec, RoundDeltas
 from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 
 log = logging.getLogger("hipfire_serve.engine")
@@ -81,12 +86,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     num_drafted: int = 0
     num_accepted: int = 0
-    pending_text: str = ""  # text produced by the stop check of the current update
-    pending_stop: str | None = None
     finished: bool = False
-    # With stop strings the scheduler's stop check decodes the round's tokens (it must know
-    # where a stop string completes); without, the engine decodes them when collecting.
-    has_stop_strings: bool = False
 
 
 @dataclass
@@ -205,6 +205,7 @@ class Engine:
         self._choices: dict[int, _Choice] = {}
         self._rounds: list[RoundStats] = []
         self._num_switches = 0
+        self._pending: RoundDeltas | None = None  # the last round's deltas, not yet collected
         self.scheduler = self._make_scheduler(config.spec_mode, self._load_cost_model())
         if warmup:
             self._warmup()
@@ -225,7 +226,6 @@ class Engine:
             num_kv_blocks=self.num_kv_blocks,
             cost_model=cost_model,
             tenants=self._tenants,
-            stop_checker=self._check_stop_strings,
         )
 
     def _warmup(self) -> None:
@@ -395,7 +395,6 @@ class Engine:
                 request_id=request_id,
                 index=index,
                 stream=self._make_stream(prompt_ids, params),
-                has_stop_strings=bool(params.stop_strings),
             )
         self._requests[request_id] = _Request(
             request_id, prompt_text, prompt_ids, params, choice_ids
@@ -426,72 +425,91 @@ class Engine:
         return bool(self._requests) or self.scheduler.has_work()
 
     # -- the round ------------------------------------------------------------------------------
-    def _check_stop_strings(self, req_id: int, new_ids: Sequence[int]):
-        choice = self._choices.get(req_id)
-        if choice is None or not choice.has_stop_strings:
-            return None
-        step = choice.stream.push(list(new_ids))
-        choice.pending_text += step.text
-        if step.stop is not None:
-            choice.pending_stop = step.stop
-            return step.num_kept_ids, step.stop
-        return None
-
     def step(self) -> list[RequestOutput]:
+        outputs: dict[str, dict[int, CompletionOutput]] = {}
         t0 = time.perf_counter()
         plan = self.scheduler.plan(time.monotonic())
-        if not (plan.reqs or plan.setup or plan.release):
-            return self._collect([])
+        if not (plan.num_reqs or plan.setup or plan.release):
+            self._collect(outputs, self._take_pending())
+            return self._outputs(outputs)
         t1 = time.perf_counter()
         try:
-            result = self.executor.run(plan)
+            launched = self.executor.launch(plan)
         except Exception:
-            log.exception("round %d failed; failing its %d requests", plan.round_id, len(plan.reqs))
-            return self._fail_round(plan)
+            log.exception("round %d failed; failing its %d requests", plan.round_id, plan.num_reqs)
+            self._collect(outputs, self._take_pending())
+            self._fail_round(plan, outputs)
+            return self._outputs(outputs)
         t2 = time.perf_counter()
-        deltas = self.scheduler.update(result, time.monotonic())
-        outputs = self._collect(deltas)
-        self._record_round(plan, result, plan_s=t1 - t0, update_s=time.perf_counter() - t2)
-        return outputs
+        # The previous round's per-output work, while the device runs this one.
+        self._collect(outputs, self._take_pending())
+        t3 = time.perf_counter()
+        try:
+            result = self.executor.finish(launched)
+        except Exception:
+            log.exception("round %d failed; failing its %d requests", plan.round_id, plan.num_reqs)
+            self._fail_round(plan, outputs)
+            return self._outputs(outputs)
+        t4 = time.perf_counter()
+        self._pending = self.scheduler.update(result, time.monotonic())
+        t5 = time.perf_counter()
+        self._record_round(
+            plan, result, plan_s=t1 - t0, launch_s=t2 - t1, collect_s=t3 - t2, update_s=t5 - t4
+        )
+        return self._outputs(outputs)
 
-    def _fail_round(self, plan: RoundPlan) -> list[RequestOutput]:
+    def _take_pending(self) -> RoundDeltas | None:
+        pending, self._pending = self._pending, None
+        return pending
+
+    def _fail_round(self, plan: RoundPlan, outputs) -> None:
+        num = plan.num_reqs
+        zeros = np.zeros(num, dtype=np.int64)
+        req_ids = [q.req_id for q in plan.reqs]
         empty = RoundResult(
             round_id=plan.round_id,
-            reqs=tuple(ReqResult(req_id=r.req_id, token_ids=()) for r in plan.reqs),
+            out=Emitted.build(req_ids, zeros, (), zeros, zeros),
             timings=PhaseTimes(),
             num_rows=0,
             num_padded_rows=0,
             num_kv_tokens=0,
         )
         self.scheduler.update(empty, time.monotonic())
-        deltas = []
-        for r in plan.reqs:
-            self.scheduler.abort(r.req_id)
-            deltas.append(RequestDelta(req_id=r.req_id, token_ids=(), finish_reason="error"))
-        return self._collect(deltas)
+        for req_id in req_ids:
+            self.scheduler.abort(req_id)
+            choice = self._choices.get(req_id)
+            if choice is None or choice.finished:
+                continue
+            choice.finished = True
+            text = choice.stream.finish().text
+            self._emit(outputs, choice, text, [], None, "error", None)
 
     def _record_round(
-        self, plan: RoundPlan, result: RoundResult, plan_s: float, update_s: float
+        self,
+        plan: RoundPlan,
+        result: RoundResult,
+        plan_s: float,
+        launch_s: float,
+        collect_s: float,
+        update_s: float,
     ) -> None:
-        depth = max((r.num_draft for r in plan.reqs), default=0)
-        drafted = [0] * depth
-        accepted = [0] * depth
-        for rr in result.reqs:
-            for pos in range(rr.num_drafted):
-                drafted[pos] += 1
-                if pos < rr.num_accepted:
-                    accepted[pos] += 1
+        out = result.out
+        depth = int(plan.decode.num_draft.max(initial=0))
+        positions = np.arange(depth)[:, None]  # [depth, 1]
+        drafted = (out.num_drafted[None, :] > positions).sum(1).tolist()
+        accepted = (np.minimum(out.num_accepted, out.num_drafted)[None, :] > positions).sum(1)
         t = result.timings
         switches = self.scheduler.stats.num_policy_switches
         new_switches, self._num_switches = switches - self._num_switches, switches
+        route = plan.route
         self._rounds.append(
             RoundStats(
-                route=plan.route,
+                route=route,
                 num_rows=result.num_rows,
                 num_padded_rows=result.num_padded_rows,
-                num_spec=plan.route.count("S"),
-                num_ar=plan.route.count("A"),
-                num_prefill=plan.route.count("P"),
+                num_spec=route.count("S"),
+                num_ar=route.count("A"),
+                num_prefill=route.count("P"),
                 predicted_s=plan.predicted_ms / 1e3,
                 measured_s=t.total_ms / 1e3,
                 phase_s={
@@ -501,10 +519,14 @@ class Engine:
                     "accept": t.accept_ms / 1e3,
                     "commit": t.commit_ms / 1e3,
                     "plan": plan_s,  # scheduler.plan on the host
-                    "update": update_s,  # scheduler.update + detokenization on the host
+                    "launch": launch_s,  # executor.launch: set-ups, drafts, build, enqueue
+                    # the previous round's outputs (detokenization, stop strings), overlapped
+                    # with this round's device work
+                    "collect": collect_s,
+                    "update": update_s,  # scheduler.update on the host
                 },
                 drafted_per_pos=drafted,
-                accepted_per_pos=accepted,
+                accepted_per_pos=accepted.tolist(),
                 policy_switches=new_switches,
                 reason=plan.reason,
             )
@@ -512,45 +534,80 @@ class Engine:
         if len(self._rounds) > 4096:  # nobody drained the stats: keep memory bounded
             del self._rounds[:2048]
 
-    def _collect(self, deltas: list[RequestDelta]) -> list[RequestOutput]:
-        by_request: dict[str, list[CompletionOutput]] = {}
-        for d in deltas:
-            choice = self._choices.get(d.req_id)
-            if choice is None:
-                continue
-            if not choice.has_stop_strings and d.token_ids:
-                choice.pending_text = choice.stream.push(list(d.token_ids)).text
-            text = choice.pending_text
-            choice.pending_text = ""
-            choice.token_ids += d.token_ids
-            choice.num_drafted += d.num_drafted
-            choice.num_accepted += d.num_accepted
-            stop_reason = d.stop_reason
-            if d.finish_reason is not None:
+    def _collect(self, outputs, deltas: RoundDeltas | None) -> None:
+        """A round's deltas into per-request outputs: text, stop strings, counters. A stop
+        string ends the request in the scheduler at once (its tokens in flight are dropped)."""
+        if deltas is None or not len(deltas):
+            return
+        req_ids = deltas.req_ids.tolist()
+        starts = deltas.token_starts.tolist()
+        token_ids = deltas.token_ids.tolist()
+        num_drafted = deltas.num_drafted.tolist()
+        num_accepted = deltas.num_accepted.tolist()
+        finish = deltas.finish
+        logprobs = deltas.logprobs
+        choices = self._choices
+        for i, req_id in enumerate(req_ids):
+            choice = choices.get(req_id)
+            if choice is None or choice.finished:
+                continue  # aborted meanwhile, or ended by a stop string of an earlier round
+            new = token_ids[starts[i] : starts[i + 1]]
+            reason, stop_reason = finish.get(i, (None, None))
+            lps = logprobs.get(i)
+            step = choice.stream.push(new) if new else None
+            text = step.text if step is not None else ""
+            stopped = step is not None and step.stop is not None
+            if stopped:
+                keep = step.num_kept_ids
+                new = new[:keep]
+                lps = lps[:keep] if lps is not None else None
+                reason, stop_reason = "stop", step.stop
+                self.scheduler.stop(req_id, len(choice.token_ids) + keep, step.stop)
+            choice.token_ids += new
+            choice.num_drafted += num_drafted[i]
+            choice.num_accepted += num_accepted[i]
+            if reason is not None:
                 choice.finished = True
-                if d.finish_reason != "stop" or choice.pending_stop is None:
+                if not stopped:
                     text += choice.stream.finish().text
-            out = CompletionOutput(
+            self._emit(outputs, choice, text, new, lps, reason, stop_reason)
+
+    def _emit(self, outputs, choice: _Choice, text, token_ids, logprobs, reason, stop_reason):
+        """Adds to the choice's output of this step (one per choice and step)."""
+        per_request = outputs.setdefault(choice.request_id, {})
+        out = per_request.get(choice.index)
+        if out is None:
+            per_request[choice.index] = CompletionOutput(
                 index=choice.index,
                 text=text,
-                token_ids=list(d.token_ids),
-                logprobs=list(d.logprobs) if d.logprobs is not None else None,
-                finish_reason=d.finish_reason,
+                token_ids=list(token_ids),
+                logprobs=list(logprobs) if logprobs is not None else None,
+                finish_reason=reason,
                 stop_reason=stop_reason,
                 num_draft_tokens=choice.num_drafted,
                 num_accepted_tokens=choice.num_accepted,
             )
-            by_request.setdefault(choice.request_id, []).append(out)
-        outputs = []
-        for request_id, outs in by_request.items():
-            req = self._requests[request_id]
+            return
+        out.text += text
+        out.token_ids += token_ids
+        if logprobs is not None:
+            out.logprobs = (out.logprobs or []) + list(logprobs)
+        out.finish_reason, out.stop_reason = reason, stop_reason
+        out.num_draft_tokens, out.num_accepted_tokens = choice.num_drafted, choice.num_accepted
+
+    def _outputs(self, outputs: dict[str, dict[int, CompletionOutput]]) -> list[RequestOutput]:
+        result = []
+        for request_id, outs in outputs.items():
+            req = self._requests.get(request_id)
+            if req is None:
+                continue
             finished = all(self._choices[c].finished for c in req.choice_ids)
-            outputs.append(
+            result.append(
                 RequestOutput(
                     request_id=request_id,
                     prompt=req.prompt,
                     prompt_token_ids=req.prompt_token_ids,
-                    outputs=outs,
+                    outputs=list(outs.values()),
                     finished=finished,
                 )
             )
@@ -558,7 +615,7 @@ class Engine:
                 for c in req.choice_ids:
                     del self._choices[c]
                 del self._requests[request_id]
-        return outputs
+        return result
 
     # -- observability ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -238,7 +238,6 @@ def install(engine, cfg: BenchConfig, concurrency: int, policy: str, profile_pat
         ),
         num_kv_blocks=engine.num_kv_blocks,
         cost_model=CostModel.from_file(profile_path),
-        stop_checker=engine._check_stop_strings,
         policy=make_policy(policy, profile_path, cfg, drafter.cohort),
     )
     engine._num_switches = 0

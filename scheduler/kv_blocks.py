@@ -83,6 +83,25 @@ class BlockPool:
         held.extend(new_ids)
         return tuple(new_ids)
 
+    def allocate_many(self, req_ids: list[int], counts: list[int]) -> None:
+        """`allocate(req_ids[i], counts[i])` for every i, in order (the same ids those calls
+        would hand out), with one check and one cut of the free list."""
+        total = sum(counts)
+        if total > len(self._free):
+            raise KVCapacityError(
+                f"{len(req_ids)} requests need {total} KV blocks, {len(self._free)} free"
+            )
+        if total == 0:
+            return
+        new_ids = self._free[-total:]
+        del self._free[-total:]
+        new_ids.reverse()
+        held = self._held
+        start = 0
+        for req_id, num in zip(req_ids, counts):
+            held.setdefault(req_id, []).extend(new_ids[start : start + num])
+            start += num
+
     def extend_to(self, req_id: int, num_tokens: int) -> tuple[int, ...]:
         """Grows the request's table to cover `num_tokens` positions; returns the new ids."""
         need = num_blocks_for(num_tokens, self.block_size) - self.num_blocks_of(req_id)

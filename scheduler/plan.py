@@ -15,6 +15,13 @@ Ownership:
   A request keeps its slot from setup until release.
 - The executor never decides policy; the scheduler never touches tensors.
 
+Layout: the decode part of a round (one AR row or one speculative group per decoding request,
+the bulk of every round at high concurrency) travels as columns, read-only numpy arrays with one
+entry per request (`DecodeRows`), so neither side spends interpreter time per request on it.
+PREFILL chunks, few per round, stay one `ReqPlan` each. Rows are laid out in that order: the
+decode requests in column order, then the prefill chunks. The result (`RoundResult.out`) has one
+row per planned request in the same order.
+
 Row accounting of one round: `sum(r.num_new for r in reqs)` rows. A SPEC request with
 `num_draft = d` contributes `1 + d` rows: its last committed token plus `d` drafted tokens, so a
 spec depth of D (rows per spec request) means at most `D - 1` drafts.
@@ -23,8 +30,10 @@ spec depth of D (rows per spec request) means at most `D - 1` drafts.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Sequence
 
 import msgspec
+import numpy as np
 
 
 class Mode(enum.IntEnum):
@@ -34,6 +43,20 @@ class Mode(enum.IntEnum):
 
 
 ROUTE_LETTER = {Mode.PREFILL: "P", Mode.AR: "A", Mode.SPEC: "S"}
+
+
+def frozen_array(values, dtype=np.int64) -> np.ndarray:
+    """A read-only contiguous array (a copy unless `values` already is one of that dtype)."""
+    arr = np.ascontiguousarray(values, dtype=dtype)
+    arr.setflags(write=False)
+    return arr
+
+
+def offsets(counts: np.ndarray) -> np.ndarray:
+    """[n] counts -> [n + 1] int64 starts: item i spans [starts[i], starts[i + 1])."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
 
 
 class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,6 +89,9 @@ class SeqSetup(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ReqPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """One request's part of a round, as an object: PREFILL chunks travel like this; decode
+    requests travel as `DecodeRows` columns (`DecodeRows.plan(i)` gives this view of one)."""
+
     req_id: int
     slot: int
     mode: Mode
@@ -77,23 +103,119 @@ class ReqPlan(msgspec.Struct, frozen=True, kw_only=True):
     sample: bool = True  # False for a PREFILL chunk that does not reach the end of the context
 
 
+class DecodeRows(msgspec.Struct, frozen=True, kw_only=True):
+    """The decoding requests of a round as read-only int64 columns, one entry per request.
+
+    Request i is AR when `num_draft[i] == 0` (one row: its last committed token), else SPEC with
+    `1 + num_draft[i]` rows. Its new KV block ids are
+    `new_block_ids[block_starts[i]:block_starts[i + 1]]`, written into its slot's block table
+    from index `block_offset[i]` on."""
+
+    req_ids: np.ndarray  # [n]
+    slots: np.ndarray  # [n]
+    num_computed: np.ndarray  # [n] committed length before the round
+    num_draft: np.ndarray  # [n] 0: AR
+    block_offset: np.ndarray  # [n]
+    block_starts: np.ndarray  # [n + 1]
+    new_block_ids: np.ndarray  # [block_starts[-1]]
+
+    @classmethod
+    def build(
+        cls,
+        req_ids,
+        slots,
+        num_computed,
+        num_draft,
+        block_offset=None,
+        block_counts=None,
+        new_block_ids=(),
+    ) -> DecodeRows:
+        n = len(req_ids)
+        zeros = np.zeros(n, dtype=np.int64)
+        return cls(
+            req_ids=frozen_array(req_ids),
+            slots=frozen_array(slots),
+            num_computed=frozen_array(num_computed),
+            num_draft=frozen_array(num_draft),
+            block_offset=frozen_array(zeros if block_offset is None else block_offset),
+            block_starts=frozen_array(offsets(zeros if block_counts is None else block_counts)),
+            new_block_ids=frozen_array(new_block_ids),
+        )
+
+    @classmethod
+    def empty(cls) -> DecodeRows:
+        return cls.build((), (), (), ())
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_new(self) -> np.ndarray:
+        """[n] rows per request."""
+        return self.num_draft + 1
+
+    def plan(self, i: int) -> ReqPlan:
+        """Request i as a `ReqPlan` (tests and slow paths; hot paths read the columns)."""
+        d = int(self.num_draft[i])
+        a, b = int(self.block_starts[i]), int(self.block_starts[i + 1])
+        return ReqPlan(
+            req_id=int(self.req_ids[i]),
+            slot=int(self.slots[i]),
+            mode=Mode.SPEC if d > 0 else Mode.AR,
+            num_computed=int(self.num_computed[i]),
+            num_new=1 + d,
+            num_draft=d,
+            block_offset=int(self.block_offset[i]),
+            new_block_ids=tuple(int(x) for x in self.new_block_ids[a:b]),
+        )
+
+
 class RoundPlan(msgspec.Struct, frozen=True, kw_only=True):
     round_id: int
-    setup: tuple[SeqSetup, ...] = ()  # applied before `reqs`
-    release: tuple[int, ...] = ()  # slots freed (finished, aborted, preempted) before `reqs`
-    reqs: tuple[ReqPlan, ...] = ()
+    setup: tuple[SeqSetup, ...] = ()  # applied before the rows
+    release: tuple[int, ...] = ()  # slots freed (finished, aborted, preempted) before the rows
+    decode: DecodeRows = msgspec.field(default_factory=DecodeRows.empty)
+    prefills: tuple[ReqPlan, ...] = ()  # PREFILL chunks, laid out after the decode rows
     num_rows: int = 0  # sum of num_new
     row_bucket: int = 0  # rows padded to this for graph replay (0: no padding, eager)
-    num_kv_tokens: int = 0  # sum over reqs of num_computed + num_new
+    num_kv_tokens: int = 0  # sum over requests of num_computed + num_new
     spec_depth: int = 1  # deepest rows per spec request this round (drafter chain length + 1)
     predicted_ms: float = 0.0
     predicted_tokens: float = 0.0
-    route: str = ""  # one letter per live request in reqs order: P, A or S
+    route: str = ""  # one letter per planned request in row order: P, A or S
     reason: str = ""  # why this route (human readable, for logs and metrics)
+
+    @classmethod
+    def from_reqs(cls, reqs: Iterable[ReqPlan], **fields) -> RoundPlan:
+        """A plan from per-request objects (tools and tests): AR/SPEC requests become the decode
+        columns in their given order, PREFILL chunks keep theirs after them."""
+        reqs = list(reqs)
+        dec = [r for r in reqs if r.mode != Mode.PREFILL]
+        decode = DecodeRows.build(
+            [r.req_id for r in dec],
+            [r.slot for r in dec],
+            [r.num_computed for r in dec],
+            [r.num_draft if r.mode == Mode.SPEC else 0 for r in dec],
+            [r.block_offset for r in dec],
+            [len(r.new_block_ids) for r in dec],
+            [b for r in dec for b in r.new_block_ids],
+        )
+        prefills = tuple(r for r in reqs if r.mode == Mode.PREFILL)
+        return cls(decode=decode, prefills=prefills, **fields)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.decode) + len(self.prefills)
+
+    @property
+    def reqs(self) -> tuple[ReqPlan, ...]:
+        """Every planned request in row order, as objects (tests and slow paths)."""
+        dec = self.decode
+        return tuple(dec.plan(i) for i in range(len(dec))) + self.prefills
 
     @property
     def is_decode_only(self) -> bool:
-        return all(r.mode != Mode.PREFILL for r in self.reqs)
+        return not self.prefills
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):
@@ -103,11 +225,68 @@ class TokenLogprob(msgspec.Struct, frozen=True):
 
 
 class ReqResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One request's part of a result, as an object (`Emitted.result(i)`; tests, slow paths)."""
+
     req_id: int
     token_ids: tuple[int, ...]  # emitted: accepted drafts, then the correction/bonus token
     num_drafted: int = 0
     num_accepted: int = 0  # accepted draft prefix length (chain): positions 1..num_accepted
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token when asked
+
+
+class Emitted(msgspec.Struct, frozen=True, kw_only=True):
+    """What a round emitted, one row per planned request in the plan's row order, as read-only
+    int64 columns. Row i emitted `token_ids[token_starts[i]:token_starts[i + 1]]` (none for a
+    PREFILL chunk that does not sample). Logprobs only for the rows that asked: row -> one
+    `TokenLogprob` per emitted token."""
+
+    req_ids: np.ndarray  # [n]
+    token_starts: np.ndarray  # [n + 1]
+    token_ids: np.ndarray  # [token_starts[-1]]
+    num_drafted: np.ndarray  # [n]
+    num_accepted: np.ndarray  # [n]
+    logprobs: dict[int, tuple[TokenLogprob, ...]] = msgspec.field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls, req_ids, num_emitted, token_ids, num_drafted, num_accepted, logprobs=None
+    ) -> Emitted:
+        return cls(
+            req_ids=frozen_array(req_ids),
+            token_starts=frozen_array(offsets(np.asarray(num_emitted, dtype=np.int64))),
+            token_ids=frozen_array(token_ids),
+            num_drafted=frozen_array(num_drafted),
+            num_accepted=frozen_array(num_accepted),
+            logprobs=logprobs or {},
+        )
+
+    @classmethod
+    def from_results(cls, results: Sequence[ReqResult]) -> Emitted:
+        return cls.build(
+            [r.req_id for r in results],
+            [len(r.token_ids) for r in results],
+            [t for r in results for t in r.token_ids],
+            [r.num_drafted for r in results],
+            [r.num_accepted for r in results],
+            {i: r.logprobs for i, r in enumerate(results) if r.logprobs is not None},
+        )
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_emitted(self) -> np.ndarray:
+        return np.diff(self.token_starts)
+
+    def result(self, i: int) -> ReqResult:
+        a, b = int(self.token_starts[i]), int(self.token_starts[i + 1])
+        return ReqResult(
+            req_id=int(self.req_ids[i]),
+            token_ids=tuple(int(t) for t in self.token_ids[a:b]),
+            num_drafted=int(self.num_drafted[i]),
+            num_accepted=int(self.num_accepted[i]),
+            logprobs=self.logprobs.get(i),
+        )
 
 
 class PhaseTimes(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,9 +301,14 @@ class PhaseTimes(msgspec.Struct, frozen=True, kw_only=True):
 
 class RoundResult(msgspec.Struct, frozen=True, kw_only=True):
     round_id: int
-    reqs: tuple[ReqResult, ...]
+    out: Emitted
     timings: PhaseTimes
     num_rows: int
     num_padded_rows: int
     num_kv_tokens: int
     graph_replayed: bool = False
+
+    @property
+    def reqs(self) -> tuple[ReqResult, ...]:
+        """Every row of `out` as an object (tests and slow paths)."""
+        return tuple(self.out.result(i) for i in range(len(self.out)))

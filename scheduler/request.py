@@ -6,8 +6,9 @@ from __future__ import annotations
 import enum
 
 import msgspec
+import numpy as np
 
-from scheduler.plan import Mode, SamplingSpec, TokenLogprob
+from scheduler.plan import Mode, SamplingSpec, TokenLogprob, frozen_array, offsets
 
 SPECULATION_CHOICES = ("off", "on", "auto")
 
@@ -37,6 +38,58 @@ class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):
     stop_reason: int | str | None = None  # token id or stop string
     num_drafted: int = 0  # this round
     num_accepted: int = 0
+
+
+class RoundDeltas(msgspec.Struct, frozen=True, kw_only=True):
+    """What one round added to its requests, after stop truncation, as read-only int64 columns
+    (one row per request that got a delta, in the plan's row order). Row i kept
+    `token_ids[token_starts[i]:token_starts[i + 1]]`. Finishes and logprobs are sparse: only
+    the rows that have one. Iterating gives `RequestDelta` objects (tests and slow paths)."""
+
+    req_ids: np.ndarray  # [m]
+    token_starts: np.ndarray  # [m + 1]
+    token_ids: np.ndarray  # [token_starts[-1]]
+    num_drafted: np.ndarray  # [m] this round
+    num_accepted: np.ndarray  # [m]
+    finish: dict[int, tuple[str, int | str | None]] = msgspec.field(default_factory=dict)
+    logprobs: dict[int, tuple[TokenLogprob, ...]] = msgspec.field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls, req_ids, num_kept, token_ids, num_drafted, num_accepted, finish=None, logprobs=None
+    ) -> RoundDeltas:
+        return cls(
+            req_ids=frozen_array(req_ids),
+            token_starts=frozen_array(offsets(np.asarray(num_kept, dtype=np.int64))),
+            token_ids=frozen_array(token_ids),
+            num_drafted=frozen_array(num_drafted),
+            num_accepted=frozen_array(num_accepted),
+            finish=finish or {},
+            logprobs=logprobs or {},
+        )
+
+    @classmethod
+    def empty(cls) -> RoundDeltas:
+        return cls.build((), (), (), (), ())
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def delta(self, i: int) -> RequestDelta:
+        a, b = int(self.token_starts[i]), int(self.token_starts[i + 1])
+        finish, stop_reason = self.finish.get(i, (None, None))
+        return RequestDelta(
+            req_id=int(self.req_ids[i]),
+            token_ids=tuple(int(t) for t in self.token_ids[a:b]),
+            logprobs=self.logprobs.get(i),
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_drafted=int(self.num_drafted[i]),
+            num_accepted=int(self.num_accepted[i]),
+        )
+
+    def __iter__(self):
+        return (self.delta(i) for i in range(len(self.req_ids)))
 
 
 class ReqState(enum.IntEnum):

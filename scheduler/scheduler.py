@@ -12,6 +12,11 @@ KV: before a round the scheduler allocates blocks for every position the round w
 chunk; AR row; SPEC row + drafts); after it frees blocks past the committed length. When even
 the AR rows do not fit, the most recently admitted decoding requests are preempted (their
 context is recomputed later by PREFILL chunks); the longest-running ones are protected.
+
+Decoding requests keep the state the policy and the plan need in per-slot numpy arrays
+(committed length, drafter lag, mode and since when, tokens left, KV blocks held), so plan()
+builds the decode columns and update() applies a round with array operations; the `Request`
+objects carry the rest (lifecycle, outputs) and the state of prefilling requests.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import numpy as np
 from scheduler.acceptance import AcceptanceEstimator
 from scheduler.cost_model import CostModel, ProfileCost
 from scheduler.kv_blocks import BlockPool, num_blocks_for
-from scheduler.plan import Mode, ReqPlan, RoundPlan, RoundResult, SeqSetup
+from scheduler.plan import DecodeRows, Mode, ReqPlan, RoundPlan, RoundResult, SeqSetup
 from scheduler.policy import (
     HYSTERESIS,
     MIN_DWELL_ROUNDS,
@@ -36,13 +41,54 @@ from scheduler.policy import (
     RateTracker,
     SpecPolicy,
 )
-from scheduler.request import SPECULATION_CHOICES, ReqState, Request, RequestDelta, RequestSpec
+from scheduler.request import (
+    SPECULATION_CHOICES,
+    ReqState,
+    Request,
+    RequestSpec,
+    RoundDeltas,
+)
 from scheduler.tenants import FairAdmission, TenantSpec
 
 StopChecker = Callable[[int, Sequence[int]], "tuple[int, str] | None"]
 
 
 _SPECULATION_CODE = {"off": 0, "auto": 1, "on": 2}
+
+
+class _DeltaColumns:
+    """Collects a round's deltas: the decode rows as whole columns, prefill rows one by one."""
+
+    def __init__(self):
+        self.parts: list[tuple] = []
+        self.finish: dict[int, tuple[str, int | str | None]] = {}
+        self.logprobs: dict = {}
+        self.num_rows = 0
+
+    def add_columns(self, req_ids, kept, token_ids, drafted, accepted, finish, logprobs):
+        base = self.num_rows
+        self.parts.append((req_ids, kept, token_ids, drafted, accepted))
+        self.finish.update({base + i: f for i, f in finish.items()})
+        self.logprobs.update({base + i: lp for i, lp in logprobs.items()})
+        self.num_rows += len(req_ids)
+
+    def add_row(self, req_id: int, token_ids: list[int], finish, logprobs) -> None:
+        one = np.ones(1, dtype=np.int64)
+        self.add_columns(
+            one * req_id,
+            one * len(token_ids),
+            np.asarray(token_ids, dtype=np.int64),
+            one * 0,
+            one * 0,
+            {0: finish} if finish is not None else {},
+            {0: logprobs} if logprobs is not None else {},
+        )
+
+    def build(self) -> RoundDeltas:
+        if not self.parts:
+            return RoundDeltas.empty()
+        columns = [np.concatenate(c) if len(self.parts) > 1 else c[0] for c in zip(*self.parts)]
+        return RoundDeltas.build(*columns, self.finish, self.logprobs)
 
 
 class QueueFullError(RuntimeError):
@@ -152,7 +198,23 @@ class Scheduler:
         self._live: list[Request] = []  # requests holding a slot, in admission order
         self._free_slots: list[int] = list(range(config.max_concurrency - 1, -1, -1))
         self._to_release: list[Request] = []  # finished/aborted/preempted, freed by next plan
-        self._inflight: dict[int, ReqPlan] = {}
+        self._inflight: RoundPlan | None = None  # the plan whose result update() expects
+        # Per-slot state of decoding requests (the source of truth while a request decodes).
+        num_slots = config.max_concurrency
+        self._slot_reqs: list[Request | None] = [None] * num_slots
+        self._slot_req_id = np.full(num_slots, -1, dtype=np.int64)
+        self._slot_decoding = np.zeros(num_slots, dtype=bool)
+        self._num_computed = np.zeros(num_slots, dtype=np.int64)
+        self._drafter_lag = np.zeros(num_slots, dtype=np.int64)
+        self._last_mode = np.zeros(num_slots, dtype=np.int64)
+        self._mode_since = np.zeros(num_slots, dtype=np.int64)
+        self._remaining = np.zeros(num_slots, dtype=np.int64)  # max_tokens - outputs
+        self._spec_code = np.zeros(num_slots, dtype=np.int64)
+        self._num_blocks = np.zeros(num_slots, dtype=np.int64)  # KV blocks the slot's request holds
+        self._dec_slots = np.zeros(0, dtype=np.int64)  # decoding slots in admission order
+        self._dec_dirty = False
+        self._stop_ids: set[int] = set()  # every EOS / stop token id of any request
+        self._stop_ids_arr = np.zeros(0, dtype=np.int64)
         self._setups: list[SeqSetup] = []  # setups of the plan being made
         self._round_id = 0
         self._admit_seq = 0
@@ -194,6 +256,10 @@ class Scheduler:
         if self.admission.num_waiting >= self.config.max_queue:
             raise QueueFullError(f"queue full ({self.config.max_queue} waiting)")
         req = Request(spec)
+        new_stop_ids = set(spec.eos_token_ids) | set(spec.stop_token_ids)
+        if not new_stop_ids <= self._stop_ids:
+            self._stop_ids |= new_stop_ids
+            self._stop_ids_arr = np.array(sorted(self._stop_ids), dtype=np.int64)
         self._requests[spec.req_id] = req
         self.admission.push(req)
 
@@ -211,6 +277,29 @@ class Scheduler:
             return
         req.state = ReqState.ABORTED
         req.finish_reason = "abort"
+        self._end_decoding(req)
+        self._to_release.append(req)
+
+    def stop(self, req_id: int, num_output_tokens: int, stop_reason: int | str | None) -> None:
+        """Ends a request at a stop found after update() (the engine matches stop strings while
+        the next round runs): it keeps its first `num_output_tokens` outputs, the tokens of a
+        round still in flight are dropped, and its slot and blocks go back in the next plan."""
+        req = self._requests.get(req_id)
+        if req is None or req.state == ReqState.ABORTED:
+            return
+        del req.output_token_ids[num_output_tokens:]
+        was_done = req.is_done
+        req.state = ReqState.FINISHED
+        req.finish_reason = "stop"
+        req.stop_reason = stop_reason
+        if was_done:
+            return  # finished in the same round (EOS, length): already on its way out
+        if req.slot < 0:  # preempted and waiting: it never runs again
+            self.admission.remove(req)
+            self.kv.free(req_id)
+            del self._requests[req_id]
+            return
+        self._end_decoding(req)
         self._to_release.append(req)
 
     def has_work(self) -> bool:
@@ -222,7 +311,7 @@ class Scheduler:
         for req in self._to_release:
             if req.slot < 0:
                 continue
-            self.kv.free(req.req_id)
+            self._free_slot_state(req)
             released.append(req.slot)
             self.admission.on_release(req.spec.tenant)
             req.slot = -1
@@ -236,7 +325,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, released: list[int]) -> None:
         """Back to the front of its tenant's queue; recomputed from its context later."""
-        self.kv.free(req.req_id)
+        self._free_slot_state(req)
         setup_now = [s for s in self._setups if s.req_id == req.req_id]
         if setup_now:  # admitted by this very plan: the executor never hears of it
             self._setups.remove(setup_now[0])
@@ -273,6 +362,8 @@ class Scheduler:
             self.admission.pop(req)
             reserve += need
             req.slot = self._free_slots.pop()
+            self._slot_reqs[req.slot] = req
+            self._slot_req_id[req.slot] = req.req_id
             req.state = ReqState.PREFILLING
             req.num_computed = 0
             req.num_prefill_target = req.context_len
@@ -311,7 +402,57 @@ class Scheduler:
             self._preempt(victim, released)
         if need > 0:
             self.kv.allocate(req.req_id, need)
+            self._num_blocks[req.slot] += need
         return True
+
+    # ---------------------------------------------------------------- per-slot state
+
+    def _end_decoding(self, req: Request) -> None:
+        """The request no longer decodes: later plans skip it, results in flight are dropped."""
+        if req.slot >= 0 and self._slot_decoding[req.slot]:
+            self._slot_decoding[req.slot] = False
+            self._dec_dirty = True
+
+    def _free_slot_state(self, req: Request) -> None:
+        """Returns the request's KV blocks and clears its slot's row (the slot index itself is
+        handed back by the caller)."""
+        self.kv.free(req.req_id)
+        self._end_decoding(req)
+        slot = req.slot
+        self._slot_reqs[slot] = None
+        self._slot_req_id[slot] = -1
+        self._num_blocks[slot] = 0
+
+    def _start_decoding(self, req: Request) -> None:
+        """Prefill done: the request's decode state moves into the per-slot arrays."""
+        slot = req.slot
+        self._num_computed[slot] = req.num_computed
+        self._drafter_lag[slot] = req.drafter_lag
+        self._last_mode[slot] = req.last_mode
+        self._mode_since[slot] = req.mode_since_round
+        self._remaining[slot] = req.num_remaining
+        self._spec_code[slot] = _SPECULATION_CODE[req.spec.speculation]
+        self._slot_decoding[slot] = True
+        self._dec_dirty = True
+
+    def _decoding_slots(self) -> np.ndarray:
+        """[n] slots of the decoding requests in admission order (rebuilt only after a change
+        of the decoding set)."""
+        if self._dec_dirty:
+            self._dec_slots = np.array(
+                [r.slot for r in self._live if r.state == ReqState.DECODING and r.slot >= 0],
+                dtype=np.int64,
+            )
+            self._dec_dirty = False
+        return self._dec_slots
+
+    def _allocate_many(self, slots: np.ndarray, counts: np.ndarray) -> None:
+        self.kv.allocate_many(self._slot_req_id[slots].tolist(), counts.tolist())
+        self._num_blocks[slots] += counts
+
+    def _truncate(self, req: Request, num_tokens: int) -> None:
+        self.kv.truncate_to(req.req_id, num_tokens)
+        self._num_blocks[req.slot] = self.kv.num_blocks_of(req.req_id)
 
     def plan(self, now: float) -> RoundPlan:
         self._round_id += 1
@@ -326,13 +467,11 @@ class Scheduler:
         # Prefill chunks, oldest admission first, within the token budget.
         budget = cfg.max_prefill_tokens
         prefills: list[tuple[Request, int]] = []
-        prefilling: list[Request] = []
-        decoding: list[Request] = []
-        for req in self._live:  # one pass: both lists keep admission order
-            if req.state == ReqState.DECODING:
-                decoding.append(req)
-            elif req.state == ReqState.PREFILLING:
-                prefilling.append(req)
+        prefilling = (
+            [r for r in self._live if r.state == ReqState.PREFILLING]
+            if len(self._live) > len(self._dec_slots) or self._dec_dirty
+            else []
+        )
         for req in prefilling:
             if budget <= 0:
                 break
@@ -345,31 +484,38 @@ class Scheduler:
             budget -= chunk
 
         # Decode rows: every decoding request gets at least its AR row, oldest first.
-        decoders: list[Request] = []
+        slots = self._decoding_slots()
         bs = self.kv.block_size
-        tables = self.kv.tables
         num_preempted = self._num_preemptions
-        for req in decoding:
-            if req.slot < 0:
-                continue  # preempted to make room for a prefill chunk
-            # fast path: the block of the AR row's position is already held
-            held = tables.get(req.req_id)
-            has_block = held is not None and req.num_computed < len(held) * bs
-            if has_block or self._reserve(req, req.num_computed + 1, released):
-                decoders.append(req)
+        if len(slots):
+            # the block of the AR row's position is usually held already
+            lacking = np.flatnonzero(self._num_computed[slots] >= self._num_blocks[slots] * bs)
+            if len(lacking) and len(lacking) <= self.kv.num_free:
+                self._allocate_many(slots[lacking], np.ones(len(lacking), dtype=np.int64))
+            elif len(lacking):
+                keep = np.ones(len(slots), dtype=bool)
+                for i in lacking.tolist():  # oldest first; may preempt younger requests
+                    req = self._slot_reqs[slots[i]]
+                    gone = req is None or req.slot < 0 or not self._slot_decoding[req.slot]
+                    end = 0 if gone else int(self._num_computed[req.slot]) + 1
+                    if gone or not self._reserve(req, end, released):
+                        keep[i] = False
+                slots = slots[keep]
         if self._num_preemptions != num_preempted:  # some were preempted to make room
-            decoders = [r for r in decoders if r.slot >= 0]
+            slots = slots[self._slot_decoding[slots]]
             prefills = [(r, c) for r, c in prefills if r.slot >= 0]
 
-        num_draft = self._decide(decoders, prefills)
-        reqs, route, total_rows, kv_tokens, d_max, lag = self._build_reqs(
-            decoders, prefills, num_draft
-        )
-        num_spec = sum(1 for d in num_draft if d > 0)
+        num_draft = self._decide(slots, prefills)
+        decode, route, total_rows, kv_tokens, d_max, lag = self._build_decode(slots, num_draft)
+        prefill_plans = self._build_prefills(prefills)
+        route += "P" * len(prefill_plans)
         num_prefill_rows = sum(c for _, c in prefills)
+        total_rows += num_prefill_rows
+        kv_tokens += sum(q.num_computed + q.num_new for q in prefill_plans)
+        num_spec = int(np.count_nonzero(decode.num_draft))
         predicted_ms = 0.0
         self._last_raw_ms = 0.0
-        if reqs:
+        if total_rows:
             cm = self.cost_model
             self._last_raw_ms = cm.raw_ms_scalar(
                 total_rows, kv_tokens, d_max, num_spec, lag, num_prefill_rows
@@ -377,14 +523,15 @@ class Scheduler:
             predicted_ms = cm.predict_ms_scalar(
                 total_rows, kv_tokens, d_max, num_spec, lag, num_prefill_rows
             )
-        predicted_tokens = float(len(decoders)) + float(
+        predicted_tokens = float(len(slots)) + float(
             sum(1 for r, c in prefills if r.num_computed + c == r.num_prefill_target)
         )
         plan = RoundPlan(
             round_id=round_id,
             setup=tuple(setups),
             release=tuple(released),
-            reqs=tuple(reqs),
+            decode=decode,
+            prefills=prefill_plans,
             num_rows=total_rows,
             row_bucket=self._row_bucket(total_rows, prefills),
             num_kv_tokens=kv_tokens,
@@ -395,6 +542,7 @@ class Scheduler:
             reason=self._last_reason,
         )
         self._last_plan = plan
+        self._inflight = plan
         self._cohort_changed = False
         # Slots released by this plan become reusable from the next plan on.
         self._free_slots.extend(released)
@@ -408,30 +556,17 @@ class Scheduler:
             return 0
         return int(self.cost_model.profile.bucket(num_rows))
 
-    def _decide(self, decoders: list[Request], prefills) -> list[int]:
-        n = len(decoders)
+    def _decide(self, slots: np.ndarray, prefills) -> np.ndarray:
+        n = len(slots)
         self._last_extra_tokens = 0.0
         self._round_ar_rate = 0.0
         if n == 0 or self.config.max_drafts == 0:
             self._last_reason = "no decoding request" if n == 0 else "no speculation"
-            return [0] * n
+            return np.zeros(n, dtype=np.int64)
         cfg = self.config
-        # One pass over the requests into a [n, 7] table: the rest is array work.
-        spec_code = _SPECULATION_CODE
-        flat: list[int] = []
-        for r in decoders:
-            flat += (
-                r.spec.req_id,
-                r.slot,
-                r.spec.max_tokens - len(r.output_token_ids),
-                r.drafter_lag,
-                spec_code[r.spec.speculation],
-                r.last_mode,
-                r.mode_since_round,
-                r.num_computed,
-            )
-        table = np.array(flat, dtype=np.int64).reshape(n, 8)  # [n, 8]
-        remaining = table[:, 2]
+        remaining = self._remaining[slots]
+        last_mode = self._last_mode[slots]
+        spec_code = self._spec_code[slots]
         # Drain: nobody waits and slots are free, so capacity is not what limits the server;
         # the live requests finishing is. The last to finish sets the makespan, so a token is
         # worth its request's share of the largest remaining work.
@@ -443,7 +578,9 @@ class Scheduler:
         num_prefill_rows = sum(c for _, c in prefills)
         prefill_done = sum(1 for r, c in prefills if r.num_computed + c == r.num_prefill_target)
         base_rows = n + num_prefill_rows
-        base_kv_tokens = int(table[:, 7].sum()) + n + sum(r.num_computed + c for r, c in prefills)
+        base_kv_tokens = (
+            int(self._num_computed[slots].sum()) + n + sum(r.num_computed + c for r, c in prefills)
+        )
         base_tokens = float(weights.sum()) + prefill_done
         ar_ms = self.cost_model.predict_ms_scalar(
             base_rows, base_kv_tokens, 0, 0, 0, num_prefill_rows
@@ -453,16 +590,16 @@ class Scheduler:
         # above what decode rounds can reach.
         self._round_ar_rate = 0.0 if prefills else n / ar_ms
         view = DecodeView(
-            req_ids=table[:, 0],
-            slots=table[:, 1],
+            req_ids=self._slot_req_id[slots],
+            slots=slots,
             num_remaining=remaining,
-            drafter_lag=table[:, 3],
-            may_spec=table[:, 4] > 0,
-            must_spec=table[:, 4] == 2,
-            was_spec=table[:, 5] == Mode.SPEC,
+            drafter_lag=self._drafter_lag[slots],
+            may_spec=spec_code > 0,
+            must_spec=spec_code == 2,
+            was_spec=last_mode == Mode.SPEC,
             # a request's first decode round has no mode to hold on to yet
-            in_dwell=(self._round_id - table[:, 6] < cfg.min_dwell_rounds)
-            & (table[:, 5] != Mode.PREFILL),
+            in_dwell=(self._round_id - self._mode_since[slots] < cfg.min_dwell_rounds)
+            & (last_mode != Mode.PREFILL),
             weights=weights,
             max_drafts=cfg.max_drafts,
             base_rows=base_rows,
@@ -479,92 +616,93 @@ class Scheduler:
         num_draft = np.asarray(decision.num_draft, dtype=np.int64)
         if num_draft.any():
             # expected extra tokens by the estimators, whatever policy chose the depths
-            survival = self.estimator.survival(view.slots)[:, : cfg.max_drafts]  # [n, D]
+            survival = self.estimator.survival(slots)[:, : cfg.max_drafts]  # [n, D]
             taken = np.arange(cfg.max_drafts)[None, :] < num_draft[:, None]
             self._last_extra_tokens = float((survival * taken).sum())
-        return num_draft.tolist()
+        return num_draft
 
-    def _build_reqs(self, decoders, prefills, num_draft):
-        reqs: list[ReqPlan] = []
-        letters: list[str] = []
-        total_rows = kv_tokens = d_max = lag = 0
+    def _build_decode(self, slots: np.ndarray, num_draft: np.ndarray):
+        """Allocates the drafts' KV blocks and builds the decode columns of the plan."""
+        n = len(slots)
+        if n == 0:
+            return DecodeRows.empty(), "", 0, 0, 0, 0
         kv = self.kv
         bs = kv.block_size
-        tables = kv.tables
-        inflight = self._inflight
-        round_id = self._round_id
-        spec, ar, prefill = Mode.SPEC, Mode.AR, Mode.PREFILL
-        # Every draft needs at most ceil(d / bs) + 1 new blocks; when the pool holds that for
-        # everyone, the per-request "does it fit" check is skipped (the common case).
-        max_new = len(decoders) * (-(-max(num_draft, default=0) // bs) + 1)
-        roomy = max_new <= kv.num_free
-        for req, d in zip(decoders, num_draft):
-            rid = req.req_id
-            num_computed = req.num_computed
-            held = tables[rid]  # plan() made sure the AR row's block is held
-            if d > 0:
-                need = -(-(num_computed + 1 + d) // bs) - len(held)
-                # drafts whose KV does not fit are dropped, never an error
-                while not roomy and d > 0 and need > kv.num_free:
-                    d -= 1
-                    need = -(-(num_computed + 1 + d) // bs) - len(held)
-                if need > 0 and d > 0:
-                    kv.allocate(rid, need)  # appends to `held` in place
-            if d > 0:
-                mode = spec
-                lag += req.drafter_lag
-                if d > d_max:
-                    d_max = d
+        num_computed = self._num_computed[slots]  # [n]
+        d = num_draft
+        if d.any():
+            # Every request needs at most ceil(d / bs) + 1 new blocks; when the pool holds that
+            # for everyone, no request can run short (the common case: one batched allocation).
+            if n * (-(-int(d.max()) // bs) + 1) <= kv.num_free:
+                need = -(-(num_computed + 1 + d) // bs) - self._num_blocks[slots]
+                need = np.where(d > 0, need, 0)
+                take = np.flatnonzero(need > 0)
+                if len(take):
+                    self._allocate_many(slots[take], need[take])
             else:
-                mode = ar
-            num_new = 1 + d
-            # The table is exactly ceil(num_computed / bs) long after update(); every block
-            # past that was allocated for this round (AR row in plan(), drafts here).
-            offset = -(-num_computed // bs)  # num_blocks_for, inlined (hot loop)
-            new_ids = tuple(held[offset:]) if len(held) > offset else ()
-            if mode != req.last_mode:
-                if req.last_mode != prefill:  # the first decision is not a switch
-                    self._num_switches += 1
-                req.last_mode = mode
-                req.mode_since_round = round_id
-            plan = ReqPlan(
-                req_id=rid,
-                slot=req.slot,
-                mode=mode,
-                num_computed=num_computed,
-                num_new=num_new,
-                num_draft=d,
-                block_offset=offset,
-                new_block_ids=new_ids,
-            )
-            reqs.append(plan)
-            letters.append("S" if d > 0 else "A")
-            total_rows += num_new
-            kv_tokens += num_computed + num_new
-            inflight[rid] = plan
+                d = d.copy()
+                for i in np.flatnonzero(d).tolist():
+                    slot = int(slots[i])
+                    held = int(self._num_blocks[slot])
+                    di = int(d[i])
+                    need = -(-(int(num_computed[i]) + 1 + di) // bs) - held
+                    # drafts whose KV does not fit are dropped, never an error
+                    while di > 0 and need > kv.num_free:
+                        di -= 1
+                        need = -(-(int(num_computed[i]) + 1 + di) // bs) - held
+                    if need > 0 and di > 0:
+                        self._allocate_many(slots[i : i + 1], np.array([need], dtype=np.int64))
+                    d[i] = di
+        spec = d > 0
+        mode = np.where(spec, int(Mode.SPEC), int(Mode.AR))
+        last_mode = self._last_mode[slots]
+        changed = mode != last_mode
+        if changed.any():
+            # the first decision after the prefill is not a switch
+            self._num_switches += int(np.count_nonzero(changed & (last_mode != Mode.PREFILL)))
+            moved = slots[changed]
+            self._last_mode[moved] = mode[changed]
+            self._mode_since[moved] = self._round_id
+        # The table is exactly ceil(num_computed / bs) long after update(); every block past
+        # that was allocated for this round (AR row above, drafts here).
+        block_offset = -(-num_computed // bs)
+        block_counts = np.maximum(self._num_blocks[slots] - block_offset, 0)
+        req_ids = self._slot_req_id[slots]
+        new_ids: list[int] = []
+        tables = kv.tables
+        for i in np.flatnonzero(block_counts).tolist():
+            new_ids += tables[int(req_ids[i])][int(block_offset[i]) :]
+        decode = DecodeRows.build(
+            req_ids, slots, num_computed, d, block_offset, block_counts, new_ids
+        )
+        route = np.where(spec, ord("S"), ord("A")).astype(np.uint8).tobytes().decode()
+        total_rows = n + int(d.sum())
+        kv_tokens = int(num_computed.sum()) + total_rows
+        lag = int(self._drafter_lag[slots][spec].sum())
+        return decode, route, total_rows, kv_tokens, int(d.max()), lag
+
+    def _build_prefills(self, prefills) -> tuple[ReqPlan, ...]:
+        bs = self.kv.block_size
+        plans = []
         for req, chunk in prefills:
             first_new = num_blocks_for(req.num_computed, bs)
-            ids = kv.blocks_from(req.req_id, first_new)
-            plan = ReqPlan(
-                req_id=req.req_id,
-                slot=req.slot,
-                mode=Mode.PREFILL,
-                num_computed=req.num_computed,
-                num_new=chunk,
-                block_offset=first_new,
-                new_block_ids=ids,
-                sample=req.num_computed + chunk == req.num_prefill_target,
+            plans.append(
+                ReqPlan(
+                    req_id=req.req_id,
+                    slot=req.slot,
+                    mode=Mode.PREFILL,
+                    num_computed=req.num_computed,
+                    num_new=chunk,
+                    block_offset=first_new,
+                    new_block_ids=self.kv.blocks_from(req.req_id, first_new),
+                    sample=req.num_computed + chunk == req.num_prefill_target,
+                )
             )
-            reqs.append(plan)
-            letters.append("P")
-            total_rows += chunk
-            kv_tokens += req.num_computed + chunk
-            self._inflight[req.req_id] = plan
-        return reqs, "".join(letters), total_rows, kv_tokens, d_max, lag
+        return tuple(plans)
 
     # ---------------------------------------------------------------- results
 
-    def update(self, result: RoundResult, now: float) -> list[RequestDelta]:
+    def update(self, result: RoundResult, now: float) -> RoundDeltas:
         measured_ms = result.timings.total_ms
         self._last_measured_ms = measured_ms
         if measured_ms > 0:
@@ -575,50 +713,143 @@ class Scheduler:
                     plan.num_rows, plan.spec_depth > 1, self._last_raw_ms, measured_ms
                 )
         self.estimator.decay()
-        deltas: list[RequestDelta] = []
-        spec_slots: list[int] = []
-        spec_drafted: list[int] = []
-        spec_accepted: list[int] = []
-        for res in result.reqs:
-            planned = self._inflight.pop(res.req_id, None)
-            req = self._requests.get(res.req_id)
-            if planned is None or req is None or not req.is_live or req.slot < 0:
-                continue  # aborted or preempted meanwhile: its tokens are dropped
-            if planned.mode == Mode.PREFILL:
-                req.num_computed += planned.num_new
-                if not planned.sample:
-                    continue
-                req.state = ReqState.DECODING
-                # the drafter has seen the context only if it followed the prefill
-                follows = self.config.drafter_follows_prefill
-                req.drafter_lag = 0 if follows else req.num_prefill_target
-                self._cohort_changed = True
-            elif planned.mode == Mode.AR:
-                req.num_computed += 1
-                req.drafter_lag += 1
-            else:
-                num_acc = min(res.num_accepted, planned.num_draft)
-                req.num_computed += 1 + num_acc
-                req.drafter_lag = 0
-                spec_slots.append(req.slot)
-                spec_drafted.append(planned.num_draft)
-                spec_accepted.append(num_acc)
-                self._num_drafted += planned.num_draft
-                self._num_accepted += num_acc
-            deltas.append(self._commit_tokens(req, res, planned))
-        if self._round_ar_rate > 0:
-            num_tokens = sum(len(r.token_ids) for r in result.reqs)
-            self.rate_tracker.observe(num_tokens, measured_ms, self._round_ar_rate)
-        if spec_slots:
-            self.estimator.observe(
-                np.asarray(spec_slots), np.asarray(spec_drafted), np.asarray(spec_accepted)
+        plan, self._inflight = self._inflight, None
+        out = result.out
+        if plan is None or plan.round_id != result.round_id:
+            return RoundDeltas.empty()  # not the round in flight: nothing to apply
+        if len(out) != plan.num_reqs:
+            raise ValueError(
+                f"round {result.round_id}: {len(out)} result rows for {plan.num_reqs} requests"
             )
-        self._inflight.clear()
-        return deltas
+        dec = plan.decode
+        n = len(dec)
+        if n and not np.array_equal(out.req_ids[:n], dec.req_ids):
+            raise ValueError(f"round {result.round_id}: result rows are not in plan order")
+        starts = out.token_starts
+        tokens = out.token_ids.tolist()
+        cols = _DeltaColumns()
+        if n:
+            self._apply_decode(dec, out, tokens, cols)
+        for j, q in enumerate(plan.prefills):
+            self._apply_prefill(q, out, n + j, tokens[starts[n + j] : starts[n + j + 1]], cols)
+        if self._round_ar_rate > 0:
+            self.rate_tracker.observe(int(starts[-1]), measured_ms, self._round_ar_rate)
+        return cols.build()
 
-    def _commit_tokens(self, req: Request, res, planned: ReqPlan) -> RequestDelta:
+    def _apply_decode(self, dec: DecodeRows, out, tokens: list[int], cols) -> None:
+        """The decode rows of a round: counters, stops, outputs and KV as array work; only
+        requests whose run holds a stop candidate go through the per-token loop."""
+        n = len(dec)
+        slots = dec.slots
+        d = dec.num_draft
+        starts = out.token_starts[: n + 1]
+        emitted = np.diff(starts)  # [n]
+        # aborted, finished by a stop string or preempted meanwhile: tokens are dropped
+        live = self._slot_decoding[slots] & (self._slot_req_id[slots] == dec.req_ids)
+        accepted = np.minimum(out.num_accepted[:n], d)
+        spec = d > 0
+        new_computed = self._num_computed[slots] + 1 + accepted
+        self._num_computed[slots] = np.where(live, new_computed, self._num_computed[slots])
+        lag = self._drafter_lag[slots]
+        self._drafter_lag[slots] = np.where(live, np.where(spec, 0, lag + 1), lag)
+        observed = live & spec
+        if observed.any():
+            self.estimator.observe(slots[observed], d[observed], accepted[observed])
+            self._num_drafted += int(d[observed].sum())
+            self._num_accepted += int(accepted[observed].sum())
+        # Stops: max_tokens reached inside the run, a stop/EOS id among the tokens, or a stop
+        # checker (then every request is checked).
+        remaining = self._remaining[slots]
+        candidate = live & (emitted >= remaining)
+        if self.stop_checker is not None:
+            candidate = live.copy()
+        elif len(self._stop_ids_arr) and starts[-1]:
+            hits = np.flatnonzero(np.isin(out.token_ids[: starts[-1]], self._stop_ids_arr))
+            if len(hits):
+                rows = np.searchsorted(starts, hits, side="right") - 1
+                candidate[rows] |= live[rows]
+        kept = np.where(live, emitted, 0)
+        finish: dict[int, tuple[str, int | str | None]] = {}
+        slot_reqs = self._slot_reqs
+        starts_l = starts.tolist()
+        for i in np.flatnonzero(candidate).tolist():
+            req = slot_reqs[slots[i]]
+            run = tokens[starts_l[i] : starts_l[i + 1]]
+            keep, reason, stop_reason = self._stop_in_run(req, run)
+            kept[i] = keep
+            if reason is not None:
+                finish[i] = (reason, stop_reason)
+        kept_l = kept.tolist()
+        for i in np.flatnonzero(live).tolist():
+            a = starts_l[i]
+            slot_reqs[slots[i]].output_token_ids += tokens[a : a + kept_l[i]]
+        self._remaining[slots] -= kept
+        for i, (reason, stop_reason) in finish.items():
+            req = slot_reqs[slots[i]]
+            req.state = ReqState.FINISHED
+            req.finish_reason = reason
+            req.stop_reason = stop_reason
+            self._end_decoding(req)
+            self._to_release.append(req)
+        # KV past the committed end (rejected drafts) goes back, unless the request finished
+        bs = self.kv.block_size
+        over = self._slot_decoding[slots] & live
+        over &= self._num_blocks[slots] > -(-new_computed // bs)
+        for i in np.flatnonzero(over).tolist():
+            self._truncate(slot_reqs[slots[i]], int(new_computed[i]))
+        # the deltas: live rows only, their tokens cut at the stop
+        token_row = np.repeat(np.arange(n), emitted)
+        within = np.arange(int(starts[-1])) - starts[token_row]
+        rows = np.flatnonzero(live)
+        index_of = np.cumsum(live) - 1  # row -> index among the live rows
+        cols.add_columns(
+            dec.req_ids[rows],
+            kept[rows],
+            out.token_ids[: starts[-1]][within < kept[token_row]],
+            d[rows],
+            accepted[rows],
+            {int(index_of[i]): f for i, f in finish.items()},
+            {
+                int(index_of[i]): lps[: kept_l[i]]
+                for i, lps in out.logprobs.items()
+                if i < n and live[i]
+            },
+        )
+
+    def _apply_prefill(self, q: ReqPlan, out, row: int, tokens: list[int], cols) -> None:
+        req = self._requests.get(q.req_id)
+        if req is None or not req.is_live or req.slot != q.slot:
+            return  # aborted or preempted meanwhile: its tokens are dropped
+        req.num_computed += q.num_new
+        if not q.sample:
+            return
+        req.state = ReqState.DECODING
+        # the drafter has seen the context only if it followed the prefill
+        req.drafter_lag = 0 if self.config.drafter_follows_prefill else req.num_prefill_target
+        self._cohort_changed = True
+        keep, reason, stop_reason = self._stop_in_run(req, tokens)
+        req.output_token_ids += tokens[:keep]
+        self._start_decoding(req)
+        if reason is not None:
+            req.state = ReqState.FINISHED
+            req.finish_reason = reason
+            req.stop_reason = stop_reason
+            self._end_decoding(req)
+            self._to_release.append(req)
+        else:
+            self._truncate(req, req.num_computed)
+        lps = out.logprobs.get(row)
+        cols.add_row(
+            req.req_id,
+            tokens[:keep],
+            (reason, stop_reason) if reason is not None else None,
+            lps[:keep] if lps is not None else None,
+        )
+
+    def _stop_in_run(self, req: Request, tokens: list[int]):
+        """(tokens kept, finish reason or None, stop reason) of a request's emitted run: cut at
+        the first stop (EOS and stop ids once min_tokens are out, max_tokens, stop strings)."""
         spec = req.spec
-        tokens = res.token_ids
         keep = len(tokens)
         finish: str | None = None
         stop_reason: int | str | None = None
@@ -635,31 +866,12 @@ class Scheduler:
             if num_out >= spec.max_tokens:
                 keep, finish = i + 1, "length"
                 break
-        kept = tuple(tokens[:keep])
-        if self.stop_checker is not None and kept:
-            hit = self.stop_checker(req.req_id, kept)
+        if self.stop_checker is not None and keep:
+            hit = self.stop_checker(req.req_id, tuple(tokens[:keep]))
             if hit is not None:
                 keep, stop_reason = min(hit[0], keep), hit[1]
                 finish = "stop"
-                kept = kept[:keep]
-        req.output_token_ids.extend(kept)
-        logprobs = res.logprobs[:keep] if res.logprobs is not None else None
-        if finish is not None:
-            req.state = ReqState.FINISHED
-            req.finish_reason = finish
-            req.stop_reason = stop_reason
-            self._to_release.append(req)
-        else:
-            self.kv.truncate_to(req.req_id, req.num_computed)
-        return RequestDelta(
-            req_id=req.req_id,
-            token_ids=kept,
-            logprobs=logprobs,
-            finish_reason=finish,
-            stop_reason=stop_reason,
-            num_drafted=planned.num_draft,
-            num_accepted=min(res.num_accepted, planned.num_draft),
-        )
+        return keep, finish, stop_reason
 
     # ---------------------------------------------------------------- observability
 

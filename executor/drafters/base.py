@@ -7,6 +7,7 @@ and catch up on tokens they missed while the request decoded plainly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,7 +17,9 @@ import torch
 @dataclass
 class DraftRequest:
     slot: int
-    context: list[int]  # committed tokens; context[-1] is the last token (its KV not yet written)
+    # committed tokens (a read-only view of the executor's per-slot buffer); context[-1] is the
+    # last token (its KV not yet written)
+    context: Sequence[int]
     num_draft: int
     # The request's sampling temperature. Drafters that sample (draft-model) draw non-greedy
     # drafts at it; any draft distribution keeps rejection sampling exact, a matching
@@ -46,5 +49,6 @@ class Drafter(Protocol):
 
     def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch: ...
 
-    def commit(self, slot: int, context: list[int], num_accepted: int, num_draft: int) -> None:
-        """Called after every round in which `slot` advanced (any mode)."""
+    def commit(self, slot: int, context: Sequence[int], num_accepted: int, num_draft: int) -> None:
+        """Called after every round in which `slot` speculated. Tokens of AR and prefill rounds
+        reach the drafter through `context` at its next proposal."""

@@ -172,7 +172,7 @@ class DraftModelDrafter:
             start = min(int(self.kv_len[r.slot]), ctx_len - 1)
             first_pos.append(start)
             num_rows.append(ctx_len - start)
-            input_ids += r.context[start:]
+            input_ids += np.asarray(r.context[start:]).tolist()
         num_catchup_rows = sum(num_rows) - len(active)
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         last_rows = torch.tensor(np.cumsum(num_rows) - 1, dtype=torch.int64, device=dev)

@@ -14,8 +14,10 @@ import math
 import random
 from collections.abc import Callable
 
+import numpy as np
+
 from scheduler.cost_model import ProfileCost
-from scheduler.plan import Mode, PhaseTimes, ReqResult, RoundPlan, RoundResult, TokenLogprob
+from scheduler.plan import Emitted, PhaseTimes, RoundPlan, RoundResult, TokenLogprob, offsets
 from scheduler.sim.acceptance_model import AcceptanceClass, AcceptanceState
 
 
@@ -23,6 +25,11 @@ def default_token(req_id: int, index: int) -> int:
     """Deterministic 'greedy' token of a request at an output index (never below 1000, so
     tests can reserve small ids for EOS and stop tokens)."""
     return 1000 + (req_id * 1_000_003 + index * 7_919) % 30_000
+
+
+def default_tokens(req_ids: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """`default_token` over arrays (int64 arithmetic: ids and indices stay far below 2**40)."""
+    return 1000 + (req_ids * 1_000_003 + indices * 7_919) % 30_000
 
 
 class SimExecutor:
@@ -45,10 +52,10 @@ class SimExecutor:
         self.time_scale = time_scale
         self.drafter_prefill = drafter_prefill
         self.token_fn = token_fn
-        self.slot_req = [-1] * num_slots  # req_id per slot, -1 free
-        self.slot_next_index = [0] * num_slots  # next output index per slot
-        self.slot_lag = [0] * num_slots  # tokens the drafter has not seen
-        self.slot_logprobs = [False] * num_slots  # the request asked for logprobs
+        self.slot_req = np.full(num_slots, -1, dtype=np.int64)  # req_id per slot, -1 free
+        self.slot_next_index = np.zeros(num_slots, dtype=np.int64)  # next output index per slot
+        self.slot_lag = np.zeros(num_slots, dtype=np.int64)  # tokens the drafter has not seen
+        self.slot_logprobs = np.zeros(num_slots, dtype=bool)  # the request asked for logprobs
 
     def run(self, plan: RoundPlan) -> RoundResult:
         for slot in plan.release:
@@ -62,45 +69,60 @@ class SimExecutor:
             self.slot_logprobs[setup.slot] = setup.sampling.logprobs is not None
             self.acceptance.enter(setup.slot, setup.req_id)
 
-        results = []
-        num_prefill_rows = num_spec = lag = 0
-        token_fn = self.token_fn
-        for r in plan.reqs:
+        dec = plan.decode
+        slots = dec.slots
+        num_draft = dec.num_draft
+        assert np.array_equal(self.slot_req[slots], dec.req_ids), "a slot does not hold its request"
+        spec = num_draft > 0
+        num_spec = int(np.count_nonzero(spec))
+        lag = int(self.slot_lag[slots][spec].sum())
+        # a drafter catches up when its request speculates, and falls behind by an AR token
+        self.slot_lag[slots] = np.where(spec, 0, self.slot_lag[slots] + 1)
+        start = self.slot_next_index[slots]  # [n] output index of each request's first token
+        accepted = np.zeros(len(dec), dtype=np.int64)
+        for i in np.flatnonzero(spec).tolist():  # the hidden acceptance model, per request
+            accepted[i] = self.acceptance.accepted(int(slots[i]), int(start[i]), int(num_draft[i]))
+        num_emit = 1 + accepted
+        req_ids = list(dec.req_ids)
+        firsts = list(start)
+        counts = list(num_emit)
+        drafted = list(num_draft)
+        accepts = list(accepted)
+        num_prefill_rows = 0
+        for r in plan.prefills:
             slot = r.slot
             assert self.slot_req[slot] == r.req_id, f"slot {slot} does not hold {r.req_id}"
-            start = self.slot_next_index[slot]
-            accepted = 0
-            if r.mode == Mode.PREFILL:
-                num_prefill_rows += r.num_new
-                num_emit = 1 if r.sample else 0
-                # a drafter that does not follow prefills catches up on the whole context
-                self.slot_lag[slot] = 0 if self.drafter_prefill else r.num_computed + r.num_new
-            elif r.mode == Mode.AR:
-                num_emit = 1
-                self.slot_lag[slot] += 1
-            else:
-                num_spec += 1
-                lag += self.slot_lag[slot]
-                self.slot_lag[slot] = 0
-                accepted = self.acceptance.accepted(slot, start, r.num_draft)
-                num_emit = 1 + accepted
-            tokens = tuple(token_fn(r.req_id, start + i) for i in range(num_emit))
-            self.slot_next_index[slot] = start + num_emit
-            results.append(
-                ReqResult(
-                    req_id=r.req_id,
-                    token_ids=tokens,
-                    num_drafted=r.num_draft,
-                    num_accepted=accepted,
-                    logprobs=tuple(TokenLogprob(t, -0.5) for t in tokens)
-                    if self.slot_logprobs[slot]
-                    else None,
+            num_prefill_rows += r.num_new
+            # a drafter that does not follow prefills catches up on the whole context
+            self.slot_lag[slot] = 0 if self.drafter_prefill else r.num_computed + r.num_new
+            req_ids.append(r.req_id)
+            firsts.append(self.slot_next_index[slot])
+            counts.append(1 if r.sample else 0)
+            drafted.append(0)
+            accepts.append(0)
+        all_slots = np.concatenate([slots, [r.slot for r in plan.prefills]]).astype(np.int64)
+        counts_arr = np.asarray(counts, dtype=np.int64)
+        self.slot_next_index[all_slots] += counts_arr
+        token_req = np.repeat(np.asarray(req_ids, dtype=np.int64), counts_arr)
+        token_index = np.repeat(np.asarray(firsts, dtype=np.int64), counts_arr) + (
+            np.arange(int(counts_arr.sum())) - np.repeat(offsets(counts_arr)[:-1], counts_arr)
+        )
+        if self.token_fn is default_token:
+            tokens = default_tokens(token_req, token_index)
+        else:
+            tokens = [self.token_fn(int(r), int(i)) for r, i in zip(token_req, token_index)]
+        logprobs = {}
+        if self.slot_logprobs[all_slots].any():
+            starts = offsets(counts_arr)
+            for i in np.flatnonzero(self.slot_logprobs[all_slots]).tolist():
+                logprobs[i] = tuple(
+                    TokenLogprob(int(t), -0.5) for t in tokens[starts[i] : starts[i + 1]]
                 )
-            )
+        out = Emitted.build(req_ids, counts_arr, tokens, drafted, accepts, logprobs)
 
         rows = plan.row_bucket or plan.num_rows
         ms = 0.0
-        if plan.reqs:
+        if plan.num_reqs:
             depth = plan.spec_depth - 1 if num_spec else 0
             ms = self.profile.round_ms_scalar(
                 rows,
@@ -118,7 +140,7 @@ class SimExecutor:
                 ms *= math.exp(self.rng.gauss(0.0, self.noise_sigma))
         return RoundResult(
             round_id=plan.round_id,
-            reqs=tuple(results),
+            out=out,
             timings=PhaseTimes(forward_ms=ms, total_ms=ms),
             num_rows=plan.num_rows,
             num_padded_rows=rows,
@@ -128,4 +150,4 @@ class SimExecutor:
 
     def next_positions(self, slots) -> list[int]:
         """Next output index of each slot (what the oracle's survival starts from)."""
-        return [self.slot_next_index[s] for s in slots]
+        return [int(self.slot_next_index[s]) for s in slots]

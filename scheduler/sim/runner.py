@@ -18,7 +18,7 @@ import numpy as np
 
 from scheduler.cost_model import CostModel, ProfileCost
 from scheduler.kv_blocks import num_blocks_for
-from scheduler.plan import Mode, SamplingSpec
+from scheduler.plan import SamplingSpec
 from scheduler.request import RequestSpec
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sim.acceptance_model import AcceptanceClass
@@ -186,7 +186,7 @@ def run_sim(
             break
         plan = sched.plan(now)
         result = executor.run(plan)
-        if not plan.reqs:
+        if not plan.num_reqs:
             sched.update(result, now)
             if not (plan.setup or plan.release):
                 break  # nothing can run: a stuck workload (never expected)
@@ -195,31 +195,28 @@ def run_sim(
         now += ms / 1e3
         deltas = sched.update(result, now)
         num_rounds += 1
-        round_tokens = 0
-        for d in deltas:
-            round_tokens += len(d.token_ids)
-            if d.finish_reason is not None:
-                latencies.append(now - arrival_of[d.req_id])
-                if workload.kind == "refill" and next_idx < len(source):
-                    submit(source[next_idx][1], now)
-                    next_idx += 1
+        round_tokens = int(deltas.token_starts[-1])
+        for i in sorted(deltas.finish):
+            latencies.append(now - arrival_of[int(deltas.req_ids[i])])
+            if workload.kind == "refill" and next_idx < len(source):
+                submit(source[next_idx][1], now)
+                next_idx += 1
         tokens_total += round_tokens
         rows_total += plan.num_rows
         pred_err += abs(plan.predicted_ms - ms) / ms
-        for q in plan.reqs:
-            letter = "P" if q.mode == Mode.PREFILL else ("S" if q.mode == Mode.SPEC else "A")
-            letters_all[letter] += 1
-        spec_res = {r.req_id: r for r in result.reqs}
-        for q in plan.reqs:
-            if q.mode == Mode.SPEC:
-                spec_rounds += 1
-                spec_tokens += 1 + spec_res[q.req_id].num_accepted
-        if len(plan.reqs) == c and plan.is_decode_only:
+        num_spec = plan.route.count("S")
+        num_dec = len(plan.decode)
+        letters_all["P"] += len(plan.prefills)
+        letters_all["S"] += num_spec
+        letters_all["A"] += num_dec - num_spec
+        spec = plan.decode.num_draft > 0
+        spec_rounds += num_spec
+        spec_tokens += num_spec + int(result.out.num_accepted[:num_dec][spec].sum())
+        if plan.num_reqs == c and plan.is_decode_only:
             full_rounds += 1
             full_tokens += round_tokens
             full_ms += ms
             full_rows += plan.num_rows
-            num_spec = plan.route.count("S")
             letters_full["S"] += num_spec
             letters_full["A"] += c - num_spec
     sched.kv.check()

@@ -142,14 +142,14 @@ def test_a_failing_round_fails_only_its_requests_and_the_engine_keeps_serving(mo
     p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine.add_request("a", [5, 6, 7], p)
     engine.step()  # a is prefilled and decoding
-    real_run = engine.executor.run
+    real_launch = engine.executor.launch
 
     def broken(plan):
         raise RuntimeError("device fault")
 
-    engine.executor.run = broken
+    engine.executor.launch = broken
     outs = engine.step()
-    engine.executor.run = real_run
+    engine.executor.launch = real_launch
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("a", "error")]
     # later requests are served normally and resources come back
     out = llm.generate([[5, 6, 7]], p)[0].outputs[0]

@@ -143,13 +143,13 @@ def test_health_and_models(server):
 
 def test_round_exception_fails_only_its_requests_with_500(server):
     def fail_next_round(engine):
-        original = engine.executor.run
+        original = engine.executor.launch
 
         def failing(plan):
-            engine.executor.run = original
+            engine.executor.launch = original
             raise RuntimeError("injected failure")
 
-        engine.executor.run = failing
+        engine.executor.launch = failing
 
     server.call(fail_next_round)
     response = httpx.post(
@@ -166,17 +166,17 @@ def test_round_exception_fails_only_its_requests_with_500(server):
 
 def test_streamed_round_exception_ends_with_error_event(server):
     def fail_in_a_few_rounds(engine):
-        original = engine.executor.run
+        original = engine.executor.launch
         countdown = [3]
 
         def failing(plan):
             countdown[0] -= 1
             if countdown[0] == 0:
-                engine.executor.run = original
+                engine.executor.launch = original
                 raise RuntimeError("injected failure")
             return original(plan)
 
-        engine.executor.run = failing
+        engine.executor.launch = failing
 
     server.call(fail_in_a_few_rounds)
     body = {"prompt": "x", "max_tokens": 50, "stream": True, "ignore_eos": True}
