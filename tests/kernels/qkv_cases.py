@@ -10,6 +10,7 @@ import torch
 from executor.model_config import RopeConfig
 from executor.rope import build_cos_sin_cache
 from kernels.fused_qk import qk_norm_rope_and_write_kv, qk_norm_rope_and_write_kv_ref
+from tests.kernels.paged import rel_err
 
 
 @dataclass(frozen=True)
@@ -89,3 +90,22 @@ def check_case(case: QkvCase, rel_tol: float) -> None:
     for name in ("k_cache", "v_cache"):  # only the real rows' slots changed
         assert torch.equal(got[name][~written], inputs[name][~written])
     assert got["q"].isfinite().all()
+
+
+def check_against_fp32(case: QkvCase, rel_tol: float) -> None:
+    """Kernel in case.dtype against the reference run in fp32 on the same (rounded) inputs:
+    relative L2 error of q and of the written k/v slots below `rel_tol`."""
+    inputs = build_inputs(case)
+    wide = {
+        k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
+    q = qk_norm_rope_and_write_kv(**inputs, num_q_heads=case.num_q_heads, is_neox=case.is_neox)
+    q32 = qk_norm_rope_and_write_kv_ref(**wide, num_q_heads=case.num_q_heads, is_neox=case.is_neox)
+    real = inputs["slot_mapping"] >= 0
+    slots = inputs["slot_mapping"][real]
+    assert rel_err(q[real], q32[real]) < rel_tol
+    for name in ("k_cache", "v_cache"):
+        got = inputs[name].flatten(0, 1)[slots]  # [n, Hkv, D]
+        want = wide[name].flatten(0, 1)[slots]
+        assert rel_err(got, want) < rel_tol, name

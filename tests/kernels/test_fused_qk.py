@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from executor.model_config import RopeConfig
 from kernels.fused_qk import qk_norm_rope_and_write_kv, qk_norm_rope_and_write_kv_ref
 from kernels.norms import head_rms_norm_ref
-from tests.kernels.qkv_cases import QkvCase, build_inputs, check_case
+from tests.kernels.qkv_cases import QkvCase, build_inputs, check_against_fp32, check_case
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -53,6 +53,7 @@ def test_fused_qk_matches_reference(num_rows, heads, head_dim, rope, is_neox, qk
         padded_every=seed % 4,
     )
     check_case(case, TOL[dtype])
+    check_against_fp32(case, 10 * TOL[dtype])
 
 
 def _case(**kw) -> QkvCase:
