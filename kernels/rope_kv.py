@@ -15,6 +15,10 @@ KV is in the cache before attention reads it, without a second pass over k.
 Styles: neox rotates dim i with dim i + rot_dim/2; interleaved (GPT-J) rotates 2i with 2i+1.
 Dims >= rot_dim (partial rotary) pass through. Every RoPE scaling type (linear, llama3, yarn...)
 lives in how the cache table was built; the rotation itself is the same.
+
+The model's forward uses `kernels.fused_qk` instead, which also applies Qwen3's q/k norm and
+reads q, k, v straight from the fused projection output in the same launch; this in-place form
+serves callers that hold q, k and v as separate tensors.
 """
 
 from __future__ import annotations
