@@ -126,29 +126,29 @@ def _qk_norm_rope_kv_kernel(
         cos = tl.where(is_real, cos, 1.0)
         sin = tl.where(is_real, sin, 0.0)
         if blk < num_q_blocks:
-            head = blk * HEADS
+            q_head = blk * HEADS
             _norm_rope_heads(
-                row_ptr + head * HEAD_DIM,
-                q_out_ptr + row * stride_qo_row + head * stride_qo_head, q_norm_ptr,
-                cos, sin, eps, num_q_heads - head, stride_qo_head,
+                row_ptr + q_head * HEAD_DIM,
+                q_out_ptr + row * stride_qo_row + q_head * stride_qo_head, q_norm_ptr,
+                cos, sin, eps, num_q_heads - q_head, stride_qo_head,
                 HEADS, HEAD_DIM, HALF, HALF_PAD, PASS_PAD, IS_NEOX, QK_NORM,
             )
         elif is_real:
-            head = (blk - num_q_blocks) * HEADS
-            page = slot // PAGE_SIZE
-            kc_ptr = k_cache_ptr + page * stride_kc_blk + (slot % PAGE_SIZE) * stride_kc_tok
+            k_head = (blk - num_q_blocks) * HEADS
+            k_page = slot // PAGE_SIZE
+            kc_ptr = k_cache_ptr + k_page * stride_kc_blk + (slot % PAGE_SIZE) * stride_kc_tok
             _norm_rope_heads(
-                row_ptr + (num_q_heads + head) * HEAD_DIM, kc_ptr + head * stride_kc_head,
-                k_norm_ptr, cos, sin, eps, num_kv_heads - head, stride_kc_head,
+                row_ptr + (num_q_heads + k_head) * HEAD_DIM, kc_ptr + k_head * stride_kc_head,
+                k_norm_ptr, cos, sin, eps, num_kv_heads - k_head, stride_kc_head,
                 HEADS, HEAD_DIM, HALF, HALF_PAD, PASS_PAD, IS_NEOX, QK_NORM,
             )
     elif is_real:
-        head = (blk - num_q_blocks - num_k_blocks) * HEADS
-        page = slot // PAGE_SIZE
-        vc_ptr = v_cache_ptr + page * stride_vc_blk + (slot % PAGE_SIZE) * stride_vc_tok
+        v_head = (blk - num_q_blocks - num_k_blocks) * HEADS
+        v_page = slot // PAGE_SIZE
+        vc_ptr = v_cache_ptr + v_page * stride_vc_blk + (slot % PAGE_SIZE) * stride_vc_tok
         _copy_heads(
-            row_ptr + (num_q_heads + num_kv_heads + head) * HEAD_DIM,
-            vc_ptr + head * stride_vc_head, num_kv_heads - head, stride_vc_head,
+            row_ptr + (num_q_heads + num_kv_heads + v_head) * HEAD_DIM,
+            vc_ptr + v_head * stride_vc_head, num_kv_heads - v_head, stride_vc_head,
             HEADS, HEAD_DIM, D_PAD,
         )
 
