@@ -6,6 +6,9 @@ kernels never branch on the device themselves.
 
 Families:
 - `hopper`: sm90 (H100, H200). Large tiles: wgmma wants 64-row multiples and 4-warp groups.
+  Attention entry chosen by the tile sweep of `kernels.bench --tune` on an H200 (see
+  docs/perf/kernels.md): 128-vector tiles of 8 warps capped at 128 registers, so two share an
+  SM; programs per SM by tile size read off the compiled binaries' registers and shared memory.
 - `ampere_ada`: sm80/86/89. mma.sync tiles, smaller shared memory on the consumer parts.
 - `cdna3`: gfx94x (MI300). wave64, 64 KB LDS per CU, MFMA.
 - `rdna3`: gfx110x and gfx115x (incl. gfx1151 Strix Halo). wave32 with WMMA, 64 KB LDS.
@@ -47,8 +50,12 @@ class AttentionTiles:
     waves_per_eu: int  # AMD only: occupancy hint, 0 leaves it to the compiler
     min_split_len: int  # fewest KV tokens worth a split of their own
     max_splits: int
-    programs_per_sm: int  # programs of up to 64 query vectors one SM / CU holds at once
-    programs_per_sm_large: int  # the same for larger tiles
+    # Programs one SM / CU holds at once, by query vectors per tile, at `num_stages` (the split
+    # rule fills these slots): 16, 32, 33..64 and more than 64 (at the `*_large` settings).
+    programs_per_sm_m16: int
+    programs_per_sm_m32: int
+    programs_per_sm: int
+    programs_per_sm_large: int
 
 
 @dataclass(frozen=True)
@@ -68,12 +75,13 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         warp_size=32,
         lds_bytes=227 * 1024,
         attention=AttentionTiles(
-            block_n=64, max_block_m=64, num_warps=4, num_stages=2,
-            num_stages_split=2, block_n_large=64, num_warps_large=8,
-            num_stages_large=2, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            max_regs_large=0, waves_per_eu=0,
-            min_split_len=512, max_splits=32, programs_per_sm=2,
-            programs_per_sm_large=1,
+            block_n=64, max_block_m=128, num_warps=4, num_stages=2,
+            num_stages_split=3, block_n_large=64, num_warps_large=8,
+            num_stages_large=3, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            max_regs_large=128, waves_per_eu=0,
+            min_split_len=512, max_splits=32, programs_per_sm_m16=4, programs_per_sm_m32=3,
+            programs_per_sm=2,
+            programs_per_sm_large=2,
         ),
         row_warps=8,
         vocab_chunk=4096,
@@ -88,7 +96,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             num_stages_split=2, block_n_large=64, num_warps_large=8,
             num_stages_large=2, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=0,
-            min_split_len=512, max_splits=32, programs_per_sm=4,
+            min_split_len=512, max_splits=32, programs_per_sm_m16=4, programs_per_sm_m32=4,
+            programs_per_sm=4,
             programs_per_sm_large=2,
         ),
         row_warps=8,
@@ -104,7 +113,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             num_stages_split=1, block_n_large=64, num_warps_large=8,
             num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=2,
-            min_split_len=512, max_splits=32, programs_per_sm=4,
+            min_split_len=512, max_splits=32, programs_per_sm_m16=4, programs_per_sm_m32=4,
+            programs_per_sm=4,
             programs_per_sm_large=2,
         ),
         row_warps=8,
@@ -120,7 +130,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             num_stages_split=1, block_n_large=32, num_warps_large=4,
             num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=2,
-            min_split_len=256, max_splits=16, programs_per_sm=4,
+            min_split_len=256, max_splits=16, programs_per_sm_m16=4, programs_per_sm_m32=4,
+            programs_per_sm=4,
             programs_per_sm_large=2,
         ),
         row_warps=4,
@@ -136,7 +147,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             num_stages_split=1, block_n_large=32, num_warps_large=4,
             num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=2,
-            min_split_len=256, max_splits=16, programs_per_sm=4,
+            min_split_len=256, max_splits=16, programs_per_sm_m16=4, programs_per_sm_m32=4,
+            programs_per_sm=4,
             programs_per_sm_large=2,
         ),
         row_warps=4,
@@ -152,7 +164,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             num_stages_split=1, block_n_large=32, num_warps_large=4,
             num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=0,
-            min_split_len=256, max_splits=16, programs_per_sm=2,
+            min_split_len=256, max_splits=16, programs_per_sm_m16=2, programs_per_sm_m32=2,
+            programs_per_sm=2,
             programs_per_sm_large=1,
         ),
         row_warps=4,

@@ -327,25 +327,38 @@ def choose_rows_per_tile(max_block_m: int, group: int, rows_hint: int) -> int:
     return min(_next_pow2(max(1, rows_hint)), _next_pow2(rows_cap))
 
 
+def programs_per_sm(device: torch.device, block_m: int) -> int:
+    """Programs of `block_m` query vectors one SM holds at once (the arch table's figure)."""
+    tiles = arch_config(device).attention
+    if block_m <= 16:
+        return tiles.programs_per_sm_m16
+    if block_m <= 32:
+        return tiles.programs_per_sm_m32
+    return tiles.programs_per_sm if block_m <= 64 else tiles.programs_per_sm_large
+
+
+def split_slots(device: torch.device, block_m: int) -> int:
+    """Program slots of the whole GPU for tiles of `block_m` query vectors."""
+    return programs_per_sm(device, block_m) * num_compute_units(device)
+
+
 def choose_num_splits(
     device: torch.device,
     num_tiles: int,
     num_kv_heads: int,
     max_kv_len: int,
     *,
-    large_tiles: bool = False,
+    block_m: int = 64,
 ) -> int:
     """Splits so that tiles x heads x splits fills the GPU's program slots, from shapes only.
 
-    The slots are the programs one SM holds at once (`programs_per_sm`, or
-    `programs_per_sm_large` for tiles of more than 64 query vectors) times the SMs. The count
-    rounds down: one program past a full wave costs a second wave of the same length.
-    `max_kv_len` is the block table's capacity, an upper bound of every sequence's length.
+    The count rounds down: one program past a full wave costs a second wave of the same
+    length. `max_kv_len` is the block table's capacity, an upper bound of every sequence's
+    length; a split is worth launching only for `min_split_len` tokens or more.
     """
     tiles = arch_config(device).attention
-    per_sm = tiles.programs_per_sm_large if large_tiles else tiles.programs_per_sm
     programs = max(1, num_tiles * num_kv_heads)
-    want = per_sm * num_compute_units(device) // programs
+    want = split_slots(device, block_m) // programs
     worth = max(1, max_kv_len // tiles.min_split_len)
     return max(1, min(want, worth, tiles.max_splits))
 
@@ -380,9 +393,11 @@ def plan_launch(
 ) -> AttentionLaunch:
     """Tile, splits, warps and stages for a call (see `verify_attention` for the arguments).
 
-    Tiles of more than 64 query vectors take the `*_large` settings; split launches of smaller
-    tiles take `num_stages_split` (few programs per SM, so a deeper pipeline keeps more KV
-    in flight).
+    Tiles of more than 64 query vectors take the `*_large` settings. A split launch of smaller
+    tiles takes `num_stages_split` when its split count was capped (by `max_splits` or by the
+    context length) below the count that fills the program slots: such a grid leaves slots
+    free (batch 1 at long context), so a deeper pipeline per program pays off, while a grid
+    that fills the slots keeps the stage count they were counted at.
     """
     tiles = arch_config(device).attention
     group = num_q_heads // num_kv_heads
@@ -392,11 +407,11 @@ def plan_launch(
     assert rows_per_tile >= 1
     block_m = max(16, _next_pow2(rows_per_tile * _next_pow2(group)))  # tl.dot needs M >= 16
     large = block_m > 64
+    # Sequences of fewer rows than a tile still take a tile each.
+    est_tiles = max(triton.cdiv(num_rows, rows_per_tile), min(num_seqs, num_rows))
     if num_splits is None:
-        # Sequences of fewer rows than a tile still take a tile each.
-        est_tiles = max(triton.cdiv(num_rows, rows_per_tile), min(num_seqs, num_rows))
         num_splits = choose_num_splits(
-            device, est_tiles, num_kv_heads, max_kv_len, large_tiles=large
+            device, est_tiles, num_kv_heads, max_kv_len, block_m=block_m
         )
     assert num_splits >= 1
     if large:
@@ -404,8 +419,10 @@ def plan_launch(
             tiles.block_n_large, tiles.num_warps_large, tiles.num_stages_large
         )
     else:
-        block_n, num_warps = tiles.block_n, tiles.num_warps
-        num_stages = tiles.num_stages_split if num_splits > 1 else tiles.num_stages
+        block_n, num_warps, num_stages = tiles.block_n, tiles.num_warps, tiles.num_stages
+        programs = max(1, est_tiles * num_kv_heads)
+        if 1 < num_splits < split_slots(device, block_m) // programs:
+            num_stages = tiles.num_stages_split
     return AttentionLaunch(
         rows_per_tile=rows_per_tile,
         block_m=block_m,

@@ -19,6 +19,7 @@ from kernels import arch
 from kernels.attention import (
     choose_num_splits,
     plan_launch,
+    programs_per_sm,
     verify_attention,
     verify_attention_ref,
 )
@@ -129,11 +130,39 @@ def test_large_tiles_take_their_own_settings(tiles):
     shape = {"num_q_heads": 64, "num_kv_heads": 8, "max_kv_len": 8192}
     large = plan_launch(dev, num_rows=256, num_seqs=16, max_q_len=16, num_splits=1, **shape)
     small = plan_launch(dev, num_rows=128, num_seqs=16, max_q_len=8, num_splits=1, **shape)
-    split = plan_launch(dev, num_rows=8, num_seqs=1, max_q_len=8, num_splits=4, **shape)
     assert (large.block_m, large.block_n, large.num_warps, large.num_stages) == (128, 32, 8, 3)
     assert (small.block_m, small.block_n, small.num_warps) == (64, t.block_n, t.num_warps)
-    assert small.num_stages == t.num_stages and split.num_stages == t.num_stages_split
-    assert large.max_regs == 0
+    assert small.num_stages == t.num_stages
+    assert large.max_regs == t.max_regs_large and small.max_regs == t.max_regs
+
+
+def test_split_stages_only_where_the_split_count_was_capped(tiles):
+    # 8 programs (one 64-vector tile x 8 KV heads) and 8 x units slots: 8 splits fill them.
+    t = tiles(num_stages=1, num_stages_split=3, programs_per_sm=8, max_splits=1 << 12)
+    dev = torch.device(DEV)
+    shape = {"num_rows": 8, "num_seqs": 1, "num_q_heads": 64, "num_kv_heads": 8}
+    fill = arch.num_compute_units(dev) * t.programs_per_sm // 8
+    filled = plan_launch(dev, max_kv_len=1 << 20, **shape)
+    capped = plan_launch(dev, max_kv_len=t.min_split_len * 2, **shape)
+    assert filled.num_splits == fill and filled.num_stages == t.num_stages
+    assert capped.num_splits == 2 < fill and capped.num_stages == t.num_stages_split
+    unsplit = plan_launch(dev, max_kv_len=1 << 20, num_splits=1, **shape)
+    assert unsplit.num_stages == t.num_stages
+
+
+def test_programs_per_sm_follow_the_tile_size(tiles):
+    t = tiles(
+        programs_per_sm_m16=5, programs_per_sm_m32=4, programs_per_sm=3, programs_per_sm_large=2
+    )
+    dev = torch.device(DEV)
+    sizes = {
+        16: t.programs_per_sm_m16,
+        32: t.programs_per_sm_m32,
+        64: t.programs_per_sm,
+        128: t.programs_per_sm_large,
+    }
+    for block_m, per_sm in sizes.items():
+        assert programs_per_sm(dev, block_m) == per_sm
 
 
 @settings(max_examples=60, deadline=None)
@@ -141,14 +170,13 @@ def test_large_tiles_take_their_own_settings(tiles):
     num_tiles=st.integers(1, 600),
     num_kv_heads=st.sampled_from([1, 2, 8]),
     max_kv_len=st.integers(16, 1 << 17),
-    large=st.booleans(),
+    block_m=st.sampled_from([16, 32, 64, 128]),
 )
-def test_splits_never_spill_into_a_partial_wave(num_tiles, num_kv_heads, max_kv_len, large):
+def test_splits_never_spill_into_a_partial_wave(num_tiles, num_kv_heads, max_kv_len, block_m):
     device = torch.device(DEV)
     cfg = arch.arch_config(device).attention
-    per_sm = cfg.programs_per_sm_large if large else cfg.programs_per_sm
-    slots = per_sm * arch.num_compute_units(device)
-    splits = choose_num_splits(device, num_tiles, num_kv_heads, max_kv_len, large_tiles=large)
+    slots = programs_per_sm(device, block_m) * arch.num_compute_units(device)
+    splits = choose_num_splits(device, num_tiles, num_kv_heads, max_kv_len, block_m=block_m)
     programs = num_tiles * num_kv_heads
     assert 1 <= splits <= cfg.max_splits
     if splits > 1:
