@@ -1,0 +1,127 @@
+"""Compiles the Hopper entry's verify-attention launches for sm_90 on a machine without a GPU
+(Triton's frontend and LLVM passes, the bundled ptxas and cuobjdump) and checks that the
+programs-per-SM figures of the arch table fit the registers and shared memory the compiler
+gives each launch. The interpreter never sees either.
+
+Run as `python -m tests.kernels.attention_sm90_compile` without TRITON_INTERPRET; prints one
+line per launch and exits 1 on the first failure.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import arch
+from kernels.attention import _next_pow2, _verify_attention_kernel, plan_launch, programs_per_sm
+
+_TARGET = GPUTarget("cuda", 90, 32)
+_NUM_SMS = 132  # H100 SXM / H200
+_REGS_PER_SM = 65536
+_SHARED_PER_SM = 228 * 1024  # of which each resident block reserves 1 KB
+_INT_PTRS = ("cu_q_lens_ptr", "seq_lens_ptr", "block_tables_ptr")
+
+# (batch, ctx, rows, GQA) of the benchmark: tiles of 16, 32, 64 and 128 query vectors without
+# a split, and the split launches of batch 1 at long context.
+SHAPES = (
+    (64, 8192, 1, 4),
+    (64, 8192, 8, 4),
+    (64, 8192, 8, 8),
+    (64, 8192, 16, 8),
+    (1, 32768, 1, 4),
+    (1, 32768, 8, 8),
+    (1, 32768, 16, 8),
+)
+
+
+def _source(consts: dict) -> ASTSource:
+    fn = _verify_attention_kernel
+    signature, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+            continue
+        if name.startswith("part_"):
+            signature[name] = "*fp32"
+        elif name in _INT_PTRS:
+            signature[name] = "*i32"
+        elif name.endswith("_ptr"):
+            signature[name] = "*bf16"
+        elif name == "scale_log2":
+            signature[name] = "fp32"
+            continue
+        else:
+            signature[name] = "i32"
+        # What the launcher specialises for the benchmark's tensors: 16-byte aligned pointers,
+        # strides and sizes that are multiples of 16.
+        attrs[(index,)] = [["tt.divisibility", 16]]
+    constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def _registers(cubin: bytes) -> int:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        report = subprocess.run(
+            [str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    return int(re.search(r"REG:(\d+)", report).group(1))
+
+
+def main() -> int:
+    hopper = arch.FAMILY_CONFIGS["hopper"]
+    arch._config_for = lambda device_type, index: (hopper, _NUM_SMS)  # plan as on an H200
+    device = torch.device("cpu")
+    for batch, ctx, rows, gqa in SHAPES:
+        num_q_heads, num_kv_heads, head_dim = 8 * gqa, 8, 128
+        launch = plan_launch(
+            device,
+            num_rows=batch * rows,
+            num_seqs=batch,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            max_kv_len=ctx,
+            max_q_len=rows,
+        )
+        consts = dict(
+            GROUP=gqa, GROUP_PAD=_next_pow2(gqa), ROWS_TILE=launch.rows_per_tile,
+            BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HEAD_DIM=head_dim, D_PAD=head_dim,
+            PAGE_SIZE=16, NUM_SPLITS=launch.num_splits, SEQS_PAD=_next_pow2(batch + 1),
+            EVEN_D=True, DOT_PRECISION="tf32", LAZY_RESCALE=launch.lazy_rescale,
+            PIPELINE_QK=launch.pipeline_qk,
+        )  # fmt: skip
+        options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+        if launch.max_regs:
+            options["maxnreg"] = launch.max_regs
+        name = f"b{batch} ctx{ctx} r{rows} gqa{gqa} {launch}"
+        try:
+            kernel = triton.compile(_source(consts), target=_TARGET, options=options)
+        except Exception as exc:
+            print(f"FAIL {name}: {type(exc).__name__}: {exc}")
+            return 1
+        regs = _registers(kernel.asm["cubin"])
+        shared = kernel.metadata.shared
+        threads = 32 * launch.num_warps
+        fit_regs = _REGS_PER_SM // (-(-regs // 8) * 8 * threads)
+        fit_shared = _SHARED_PER_SM // (shared + 1024)
+        claimed = programs_per_sm(device, launch.block_m)
+        line = f"{name}: {regs} registers, {shared} B shared, {min(fit_regs, fit_shared)} per SM"
+        if launch.num_splits == 1 and min(fit_regs, fit_shared) < claimed:
+            print(f"FAIL {line}; the arch table counts {claimed}")
+            return 1
+        print(f"ok {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
