@@ -11,8 +11,12 @@ gather is not timed; GQA is folded into the query length so SDPA reads each KV h
 Achieved KV bandwidth counts each sequence's K and V bytes once, and is compared with the copy
 bandwidth (bytes read + written) of a large device-to-device copy measured in the same run.
 Every timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), which
-also proves the kernels capture. `--tune` first sweeps tile settings on the shapes nearest the
-targets; `--tiles` overrides entries of this GPU's arch-table tiles for the whole run. Every
+also proves the kernels capture. `--tune` first sweeps tile settings in phases (SWEEP_PHASES),
+each on the shapes its settings affect, adopts per class the setting of lowest geometric-mean
+time, and runs the grid with the winners (the record's `attention_tiles` then say what to put
+in the arch table); `--tiles` overrides entries of this GPU's arch-table tiles for the whole
+run. Each shape's record carries its launch plan (tile, splits, warps, stages) and, for split
+launches, the time of the merge kernel alone. Every
 kernel variant is compiled first in parallel worker processes (`kernels.bench_compile`), so the
 GPU machine's time goes to timing rather than to one-at-a-time compilation.
 """
