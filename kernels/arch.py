@@ -8,7 +8,9 @@ Families:
 - `hopper`: sm90 (H100, H200). Large tiles: wgmma wants 64-row multiples and 4-warp groups.
   Attention entry chosen by the tile sweep of `kernels.bench --tune` on an H200 (see
   docs/perf/kernels.md): 128-vector tiles of 8 warps capped at 128 registers, so two share an
-  SM; programs per SM by tile size read off the compiled binaries' registers and shared memory.
+  SM; programs per SM by tile size read off the compiled binaries' registers and shared memory
+  (tests/kernels/attention_sm90_compile.py checks them); lazy rescaling and one-tile-ahead q.k
+  off, both slower on most swept shapes.
 - `ampere_ada`: sm80/86/89. mma.sync tiles, smaller shared memory on the consumer parts.
 - `cdna3`: gfx94x (MI300). wave64, 64 KB LDS per CU, MFMA.
 - `rdna3`: gfx110x and gfx115x (incl. gfx1151 Strix Halo). wave32 with WMMA, 64 KB LDS.
