@@ -53,49 +53,59 @@ _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence", "frequency", "repe
 
 class _HostBuffer:
     """Double-buffered (pinned on a GPU) byte buffer that one round's inputs are packed into
-    and uploaded from in one copy. Regions are 8-byte aligned so the device side can view them
-    with their own dtypes."""
+    and uploaded from in one copy. Arrays of one dtype are packed back to back into one 8-byte
+    aligned group, so the device side needs one dtype view and one split per group."""
 
     def __init__(self, pinned: bool):
         self.pinned = pinned
         self.bufs: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
         self.which = 0
-        self.layout: list[tuple[str, int, np.dtype, tuple[int, ...]]] = []
-        self.arrays: dict[str, np.ndarray] = {}
-        self.size = 0
+        self.groups: dict[str, list[tuple[str, np.ndarray]]] = {}  # dtype char -> arrays
 
     def start(self) -> None:
-        self.layout, self.arrays, self.size = [], {}, 0
+        self.groups = {}
         self.which ^= 1
 
     def add(self, name: str, values: np.ndarray, dtype) -> None:
         values = np.ascontiguousarray(values, dtype=dtype)
-        self.arrays[name] = values
-        self.layout.append((name, self.size, values.dtype, values.shape))
-        self.size += -(-values.nbytes // 8) * 8
+        self.groups.setdefault(values.dtype.char, []).append((name, values))
 
     def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
+        layout = []  # (dtype char, byte offset, bytes, arrays)
+        size = 0
+        for char, items in self.groups.items():
+            nbytes = sum(v.nbytes for _, v in items)
+            layout.append((char, size, nbytes, items))
+            size += -(-nbytes // 8) * 8
         buf = self.bufs[self.which]
-        if buf.numel() < self.size:
-            size = max(self.size, 2 * buf.numel(), 4096)
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        if buf.numel() < size:
+            buf = torch.empty(
+                max(size, 2 * buf.numel(), 4096), dtype=torch.uint8, pin_memory=self.pinned
+            )
             self.bufs[self.which] = buf
         host = buf.numpy()
-        for name, start, _, _ in self.layout:
-            values = self.arrays[name]
-            host[start : start + values.nbytes] = values.view(np.uint8).reshape(-1)
-        dev = buf[: self.size].to(device, non_blocking=True)  # the one host -> device copy
+        for _, start, nbytes, items in layout:
+            flat = (
+                items[0][1].reshape(-1)
+                if len(items) == 1
+                else np.concatenate([v.reshape(-1) for _, v in items])
+            )
+            host[start : start + nbytes] = flat.view(np.uint8)
+        dev = buf[:size].to(device, non_blocking=True)  # the one host -> device copy
         out = {}
-        for name, start, dtype, shape in self.layout:
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            out[name] = dev[start : start + nbytes].view(_TORCH_DTYPE[dtype]).view(shape)
+        for char, start, nbytes, items in layout:
+            group = dev[start : start + nbytes].view(_TORCH_DTYPE[char])
+            parts = group.split([v.size for _, v in items]) if len(items) > 1 else (group,)
+            for (name, v), part in zip(items, parts):
+                out[name] = part if v.ndim == 1 else part.view(v.shape)
         return out
 
 
 _TORCH_DTYPE = {
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.float32): torch.float32,
+    np.dtype(np.int64).char: torch.int64,
+    np.dtype(np.int32).char: torch.int32,
+    np.dtype(np.float32).char: torch.float32,
+    np.dtype(np.bool_).char: torch.bool,
 }
 
 
@@ -376,15 +386,23 @@ class RoundExecutor:
         host.add("seq_lens", seq_lens, np.int32)
         host.add("block_tables", self.block_tables[slots, :max_blocks], np.int32)
         host.add("logit_rows", logit_rows, np.int64)
-        host.add("float_params", self.float_params[:, row_slot], np.float32)
+        row_greedy = self.greedy[row_slot]  # [L]
+        floats = self.float_params[:, row_slot]  # [6, L]
+        # greedy rows divide by 1.0 so that the division stays finite
+        floats[0] = np.where(row_greedy, np.float32(1.0), floats[0])
+        host.add("float_params", floats, np.float32)
+        host.add("greedy", row_greedy, np.bool_)
         host.add(
             "int_params", np.stack([self.top_k[row_slot], self.seed[row_slot], steps]), np.int64
         )
         host.add("next_draft", next_draft, np.int64)
-        sampled = np.flatnonzero(~self.greedy[row_slot])
+        sampled = np.flatnonzero(~row_greedy)
         mixed = 0 < len(sampled) < num_logit
         if mixed:
             host.add("sampled_rows", sampled, np.int64)
+        with_probs = p.drafts is not None and p.drafts.probs is not None
+        if with_probs:  # the logit rows the drafts' distributions belong to
+            host.add("draft_rows", np.flatnonzero(has_next), np.int64)
         dev = host.upload(self.device)
         meta = AttnMetadata(
             positions=dev["positions"],
@@ -394,7 +412,7 @@ class RoundExecutor:
             block_tables=dev["block_tables"],
             max_q_len=int(rows_per.max()),
         )
-        st = self._sampling_tensors(dev, row_slot, sampled, mixed)
+        st = self._sampling_tensors(dev, row_slot, row_greedy, mixed)
         bucket = 0
         if self.graphs is not None and plan.is_decode_only:
             # The plan's bucket (the cost model's shape) when it fits the captured range, else
@@ -436,9 +454,7 @@ class RoundExecutor:
         p.t_acc0 = time.perf_counter()
 
         # 5. acceptance on the device, one copy of its per-row results started
-        draft_rows = None
-        if p.drafts is not None and p.drafts.probs is not None:
-            draft_rows = torch.from_numpy(np.flatnonzero(has_next)).to(self.device)
+        draft_rows = dev["draft_rows"] if with_probs else None
         preceding = None
         if st.use_penalties:  # the drafts before each row count as output there
             preceding = [
@@ -464,17 +480,16 @@ class RoundExecutor:
         p.t_launched = time.perf_counter()
         return p
 
-    def _sampling_tensors(self, dev, row_slot, sampled, mixed) -> SamplingTensors:
+    def _sampling_tensors(self, dev, row_slot, greedy, mixed) -> SamplingTensors:
         """The rows' sampling parameters on the device, as views of the round's one upload."""
         floats = dev["float_params"]  # [6, L]
         ints = dev["int_params"]  # [3, L]
-        greedy_rows = floats[0] <= 0.0
-        greedy = self.greedy[row_slot]
         sampled_slots = row_slot[~greedy]
         top_k = self.top_k[sampled_slots]
         top_ks = top_k[top_k < self.vocab_size]
+        all_greedy = len(sampled_slots) == 0
         return SamplingTensors(
-            temperature=torch.where(greedy_rows, 1.0, floats[0]),
+            temperature=floats[0],
             top_p=floats[1],
             min_p=floats[2],
             presence_penalty=floats[3],
@@ -483,14 +498,14 @@ class RoundExecutor:
             top_k=ints[0],
             seed=ints[1],
             step=ints[2],
-            greedy=greedy_rows,
+            greedy=dev["greedy"],
             sampled_rows=dev["sampled_rows"] if mixed else None,
             num_rows=len(row_slot),
-            all_greedy=bool(greedy.all()),
-            any_greedy=bool(greedy.any()),
+            all_greedy=all_greedy,
+            any_greedy=len(sampled_slots) < len(row_slot),
             use_top_k=len(top_ks) > 0,
-            use_top_p=bool((self.float_params[1, sampled_slots] < 1.0).any()),
-            use_min_p=bool((self.float_params[2, sampled_slots] > 0.0).any()),
+            use_top_p=not all_greedy and bool((self.float_params[1, sampled_slots] < 1.0).any()),
+            use_min_p=not all_greedy and bool((self.float_params[2, sampled_slots] > 0.0).any()),
             use_penalties=bool(self.penalised[row_slot].any()),
             max_top_k=int(top_ks.max(initial=0)),
         )

@@ -453,9 +453,7 @@ class Engine:
         t4 = time.perf_counter()
         self._pending = self.scheduler.update(result, time.monotonic())
         t5 = time.perf_counter()
-        self._record_round(
-            plan, result, plan_s=t1 - t0, launch_s=t2 - t1, collect_s=t3 - t2, update_s=t5 - t4
-        )
+        self._record_round(plan, result, plan_s=t1 - t0, collect_s=t3 - t2, update_s=t5 - t4)
         return self._outputs(outputs)
 
     def _take_pending(self) -> RoundDeltas | None:
@@ -489,7 +487,6 @@ class Engine:
         plan: RoundPlan,
         result: RoundResult,
         plan_s: float,
-        launch_s: float,
         collect_s: float,
         update_s: float,
     ) -> None:
@@ -519,7 +516,6 @@ class Engine:
                     "accept": t.accept_ms / 1e3,
                     "commit": t.commit_ms / 1e3,
                     "plan": plan_s,  # scheduler.plan on the host
-                    "launch": launch_s,  # executor.launch: set-ups, drafts, build, enqueue
                     # the previous round's outputs (detokenization, stop strings), overlapped
                     # with this round's device work
                     "collect": collect_s,

@@ -272,7 +272,8 @@ def render_markdown(payload: dict) -> str:
     )
     out.append(
         f"The target of < 100 us per round {target_note}. The depth decision takes "
-        f"{bench['decide_us_median']:.0f} us of it, the per-request bookkeeping the other "
+        f"{bench['decide_us_median']:.0f} us of it, the rest of plan() (release, admission, KV "
+        "blocks, the policy's view, the plan's columns) the other "
         f"{bench['plan_us_median'] - bench['decide_us_median']:.0f} us. " + PLAN_COST_NOTE
     )
     out.append("")
@@ -300,20 +301,22 @@ def render_markdown(payload: dict) -> str:
 
 
 PLAN_COST_NOTE = (
-    "Survival curves are one [n, 10] x [10, 7] product (the estimator's recursion is linear "
-    "in the belief; its matrix is rebuilt only when the prior moves). The depth decision is "
-    "one stable sort of the n x 7 draft positions and, per chain cap, a dozen array "
-    "operations over that cap's ranked positions; it makes the same choices as the earlier "
-    "search over a [7, n x 7] grid of candidate prefixes, which with survival recomputed per "
-    "request and per-request KV method calls measured 1486 us median per round over 5 runs "
-    "(1469 to 1537) on the same machine and benchmark. Inside the benchmark loop the sort "
-    "alone took about 100 us (21 us when timed on its own: the simulator's work between "
-    "rounds leaves the caches cold). The bookkeeping is plain Python per live request: one "
-    "`ReqPlan` with its new KV block ids (the round contract holds one per request), the "
-    "KV check of its drafts and one row of the policy's table. Reaching 100 us needs that "
-    "per-request work out of the interpreter (per-slot arrays end to end, built "
-    "incrementally by update()) and a search that skips caps and prefixes that cannot win; "
-    "this code does neither."
+    "Decoding requests keep what the policy and the plan need (committed length, drafter "
+    "lag, mode and since when, tokens left, KV blocks held) in per-slot arrays that update() "
+    "changes with array operations, and the plan carries the decode rows as columns "
+    "(`DecodeRows`), so the bookkeeping has no per-request objects; what remains per request "
+    "is appending new KV block ids to the pool's per-request lists for the requests that "
+    "cross a block boundary this round. The code before this layout (one `ReqPlan` per "
+    "request, a Python loop per live request in plan() and update()) measured medians of "
+    "831, 831, 834, 836 and 846 us per round (depth decision 433 us) in 5 runs of this "
+    "benchmark on the same machine, just before the change. The depth decision is unchanged "
+    "(every simulator result above is identical to the one before the change): one stable "
+    "sort of the n x 7 draft positions and, per chain cap, a dozen array operations over "
+    "that cap's ranked positions. It is now most of plan(); inside the benchmark loop the "
+    "sort alone takes about 90 us (the simulator's work between rounds leaves the caches "
+    "cold). Reaching 100 us needs a search that skips caps and prefixes that cannot win "
+    "(an exact bound on a cap's best prefix) and KV block tables held as arrays; this code "
+    "does neither yet."
 )
 
 NOTES = """\
