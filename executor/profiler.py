@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from executor.drafters.base import DraftBatch
@@ -287,14 +288,79 @@ def _draft_step(model: Model, decode_graphs, bucket: int, ids, meta: AttnMetadat
     return logits.argmax(-1)
 
 
+def time_engine_overhead(
+    engine, concurrencies: tuple[int, ...], prompt_len: int = 64, num_steps: int = 12
+) -> list[list[float]]:
+    """Per decode round, the engine's host time outside `RoundExecutor` (planning, the
+    scheduler's update, output collection, bookkeeping) at each live request count: the wall
+    time of `Engine.step` minus the executor's own round time, plain AR decode rounds, median
+    of `num_steps`. The engine's scheduler is swapped for a throw-away one and restored."""
+    from hipfire_serve.types import SamplingParams
+
+    saved = getattr(engine, "scheduler", None)
+    vocab = engine.target.config.vocab_size
+    out = []
+    try:
+        for c in concurrencies:
+            engine.scheduler = engine._make_scheduler("ar", None)
+            params = SamplingParams(max_tokens=num_steps + 16, temperature=0.0, ignore_eos=True)
+            g = torch.Generator().manual_seed(c)
+            for i in range(c):
+                prompt = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
+                engine.add_request(f"profile-host-{c}-{i}", prompt, params)
+            while engine.scheduler.stats.num_prefilling or engine.scheduler.num_waiting:
+                engine.step()
+            for _ in range(3):  # settle: the first decode rounds may still capture graphs
+                engine.step()
+            overheads = []
+            for _ in range(num_steps):
+                _sync(engine.device)
+                t0 = time.perf_counter()
+                engine.step()
+                wall_ms = (time.perf_counter() - t0) * 1e3
+                executor_ms = engine.stats().rounds[-1].measured_s * 1e3
+                overheads.append(max(wall_ms - executor_ms, 0.0))
+            out.append([c, round(statistics.median(overheads), 4)])
+            for i in range(c):
+                engine.abort(f"profile-host-{c}-{i}")
+            while engine.has_unfinished():
+                engine.step()
+    finally:
+        if saved is not None:
+            engine.scheduler = saved
+    return out
+
+
+def _interp(points: list[list[float]], x: float) -> float:
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    return float(np.interp(x, xs, ys)) if points else 0.0
+
+
+def _host_points(max_slots: int) -> tuple[int, ...]:
+    """Live request counts at which the engine's host time per round is measured."""
+    return tuple(sorted({c for c in (1, 8, 32, max_slots) if c <= max_slots}))
+
+
 def build_profile(
     engine,
     rows=DEFAULT_ROWS,
     kv_lens=DEFAULT_KV_LENS,
     repeats: int = 10,
     with_ceilings: bool = True,
+    ref_kv_len: int | None = None,
+    host_overhead: bool = True,
 ) -> dict:
-    """Measures the profile of an `Engine`'s target (and draft model, if any)."""
+    """Measures the profile of an `Engine`'s target (and draft model, if any).
+
+    The cost model prices a round as `rows_ms(rows) + kv_tokens * kv_ms_per_token`. Attention
+    at small batch is latency-bound, so one fitted KV rate cannot hold from 16 tokens to long
+    contexts; `rows_ms` is therefore anchored at `ref_kv_len` tokens of context per sequence
+    (default: the profiled context nearest 1024, a typical prompt): rows_ms(n) = measured(n,
+    ref) - seqs(n) * ref * kv_ms_per_token, exact at the reference and priced at the fitted
+    rate around it. With `host_overhead`, each point also carries the engine's host time per
+    round outside the executor (`time_engine_overhead`), so that predicted rounds are the
+    engine's real round period."""
     ex: RoundExecutor = engine.executor
     target = engine.target
     cfg = target.config
@@ -314,19 +380,37 @@ def build_profile(
             grid.append([n, kv_len, round(timer.time_round(n, kv_len, repeats), 4)])
     elt = target.weights.embed.element_size()
     kv_bytes = cfg.kv_bytes_per_token(elt)
-    short = min(kv_lens)
-    rows_ms = [[n, ms] for n, kv_len, ms in grid if kv_len == short]
+
+    def num_seqs(n: int) -> int:  # RoundTimer's layout: AR rows up to the slots, then groups
+        return -(-n // (1 if n <= ex.max_slots else -(-n // ex.max_slots)))
+
     # Effective KV read rate: per row count, slope of time over total KV tokens; median.
     rates = []
     for n in rows:
-        num_seqs = -(-n // (1 if n <= ex.max_slots else -(-n // ex.max_slots)))
-        pts = sorted((kv_len * num_seqs, ms) for m, kv_len, ms in grid if m == n)
+        pts = sorted((kv_len * num_seqs(n), ms) for m, kv_len, ms in grid if m == n)
         if len(pts) >= 2 and pts[-1][1] > pts[0][1]:
             dt_ms = pts[-1][1] - pts[0][1]
             rates.append((pts[-1][0] - pts[0][0]) * kv_bytes / (dt_ms * 1e-3) / 1e12)
     # When round time does not grow with context (tiny models, noise), the KV term is
     # negligible: a very high rate says so, and `kv_rate_fitted` records it.
     kv_rate = statistics.median(rates) if rates else 1e3
+    kv_ms_per_token = kv_bytes / (float(f"{kv_rate:.4g}") * 1e12) * 1e3
+    measured = {kv_len for _, kv_len, _ in grid}
+    ref = min(measured, key=lambda k: abs(k - (ref_kv_len or 1024)))
+    host_ms = time_engine_overhead(engine, _host_points(ex.max_slots)) if host_overhead else []
+    # (a noisy fit could price the reference context above the round itself: keep a floor)
+    rows_ms = [
+        [
+            n,
+            round(
+                max(ms - num_seqs(n) * ref * kv_ms_per_token, 0.1 * ms)
+                + _interp(host_ms, num_seqs(n)),
+                4,
+            ),
+        ]
+        for n, kv_len, ms in grid
+        if kv_len == ref
+    ]
     device = target.device
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     profile = {
@@ -335,8 +419,9 @@ def build_profile(
         "method": (
             "whole decode rounds through RoundExecutor.run (host build, target forward with "
             "graph replay where enabled, acceptance, commit), median of repeats after warm-up; "
-            f"rows_ms at {short} tokens of context per sequence; KV rate fitted over "
-            f"contexts {list(kv_lens)}"
+            f"KV rate fitted over contexts {list(kv_lens)}; rows_ms = the round at {ref} "
+            "tokens of context per sequence minus that context's KV term"
+            + (", plus the engine's host time per round (host_ms_per_round)" if host_ms else "")
         ),
         "ceilings": measure_ceilings(device) if with_ceilings else {},
         "target": {
@@ -352,6 +437,8 @@ def build_profile(
             "kv_read_TBps_assumed": float(f"{kv_rate:.4g}"),
             "kv_rate_fitted": bool(rates),
             "rows_kv_ms": grid,
+            "ref_kv_len": ref,
+            "host_ms_per_round": host_ms,
         },
     }
     draft_model = getattr(engine.drafter, "model", None)

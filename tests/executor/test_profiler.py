@@ -50,6 +50,18 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
         (r, k) for r in (1, 2, 8) for k in (16, 64)
     }
     assert prof["target"]["kv_read_TBps_assumed"] > 0
+    # rows_ms is anchored at the profiled context nearest 1024 and carries the engine's host
+    # time per round, measured at 1 and at all 4 live requests
+    t = prof["target"]
+    assert t["ref_kv_len"] == 64
+    host = {int(c): ms for c, ms in t["host_ms_per_round"]}
+    assert sorted(host) == [1, 4] and all(ms >= 0 for ms in host.values())
+    kv_ms_per_token = t["kv_bytes_per_token"] / (t["kv_read_TBps_assumed"] * 1e12) * 1e3
+    at_ref = {r: ms for r, k, ms in t["rows_kv_ms"] if k == 64}
+    for (r, ms), seqs in zip(t["rows_ms"], (1, 2, 4)):  # 8 rows: 4 groups of 2 on 4 slots
+        host_ms = host[1] + (host[4] - host[1]) * (seqs - 1) / 3
+        expect = max(at_ref[r] - seqs * 64 * kv_ms_per_token, 0.1 * at_ref[r]) + host_ms
+        assert abs(ms - expect) < 2e-3, (r, ms, expect)
     cm = CostModel.from_file(out)
     assert cm.predict_ms(2, 32) > 0
 
