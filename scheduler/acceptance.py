@@ -58,10 +58,15 @@ class AcceptanceEstimator:
         self.belief = np.tile(self.prior, (num_slots, 1))  # [num_slots, L]
         self._num_prior_obs = PRIOR_COUNT
         self._survival_matrix: np.ndarray | None = None  # [L, D], cached per prior
+        # The last survival() answer, kept while no belief changes: the policy and the
+        # scheduler both ask for the same slots in one plan.
+        self._version = 0
+        self._last: tuple[np.ndarray, int, np.ndarray] | None = None
 
     def reset(self, slot: int) -> None:
         """A new request entered the slot: it starts from the global prior."""
         self.belief[slot] = self.prior
+        self._version += 1
 
     def global_acceptance(self) -> np.ndarray:
         """[D] prior acceptance per position (conditional on reaching it)."""
@@ -96,11 +101,18 @@ class AcceptanceEstimator:
         return self._survival_matrix
 
     def survival(self, slots: np.ndarray) -> np.ndarray:
-        """s_j = P(draft positions 1..j accepted): [len(slots), max_drafts]."""
-        return self.belief[slots] @ self.survival_matrix()
+        """s_j = P(draft positions 1..j accepted): [len(slots), max_drafts] (read-only)."""
+        last = self._last
+        if last is not None and last[0] is slots and last[1] == self._version:
+            return last[2]
+        out = self.belief[slots] @ self.survival_matrix()
+        out.setflags(write=False)
+        self._last = (slots, self._version, out)
+        return out
 
     def decay(self) -> None:
         """Called once per round: every live request generated at least one token."""
+        self._version += 1
         self.belief *= 1.0 - SWITCH
         self.belief += SWITCH * self.prior
 
@@ -108,6 +120,7 @@ class AcceptanceEstimator:
         """Chain outcomes of one round for the given slots (arrays of equal length)."""
         if len(slots) == 0:
             return
+        self._version += 1
         b = self.belief[slots]  # [n, L]
         # The global prior learns from first positions only: they are observed on every
         # speculating request, while deeper ones only on chains that survived so far. Fed with

@@ -83,16 +83,17 @@ class BlockPool:
         held.extend(new_ids)
         return tuple(new_ids)
 
-    def allocate_many(self, req_ids: list[int], counts: list[int]) -> None:
+    def allocate_many(self, req_ids: list[int], counts: list[int]) -> list[int]:
         """`allocate(req_ids[i], counts[i])` for every i, in order (the same ids those calls
-        would hand out), with one check and one cut of the free list."""
+        would hand out), with one check and one cut of the free list. Returns the new ids in
+        that order, flat."""
         total = sum(counts)
         if total > len(self._free):
             raise KVCapacityError(
                 f"{len(req_ids)} requests need {total} KV blocks, {len(self._free)} free"
             )
         if total == 0:
-            return
+            return []
         new_ids = self._free[-total:]
         del self._free[-total:]
         new_ids.reverse()
@@ -101,6 +102,7 @@ class BlockPool:
         for req_id, num in zip(req_ids, counts):
             held.setdefault(req_id, []).extend(new_ids[start : start + num])
             start += num
+        return new_ids
 
     def extend_to(self, req_id: int, num_tokens: int) -> tuple[int, ...]:
         """Grows the request's table to cover `num_tokens` positions; returns the new ids."""

@@ -446,9 +446,10 @@ class Scheduler:
             self._dec_dirty = False
         return self._dec_slots
 
-    def _allocate_many(self, slots: np.ndarray, counts: np.ndarray) -> None:
-        self.kv.allocate_many(self._slot_req_id[slots].tolist(), counts.tolist())
+    def _allocate_many(self, slots: np.ndarray, counts: np.ndarray) -> list[int]:
+        new_ids = self.kv.allocate_many(self._slot_req_id[slots].tolist(), counts.tolist())
         self._num_blocks[slots] += counts
+        return new_ids
 
     def _truncate(self, req: Request, num_tokens: int) -> None:
         self.kv.truncate_to(req.req_id, num_tokens)
@@ -485,14 +486,18 @@ class Scheduler:
 
         # Decode rows: every decoding request gets at least its AR row, oldest first.
         slots = self._decoding_slots()
+        # (indices, ids) of the AR rows' new blocks when allocated in one batch
+        self._ar_blocks: tuple[np.ndarray, list[int]] | None = (np.zeros(0, np.int64), [])
         bs = self.kv.block_size
         num_preempted = self._num_preemptions
         if len(slots):
             # the block of the AR row's position is usually held already
             lacking = np.flatnonzero(self._num_computed[slots] >= self._num_blocks[slots] * bs)
             if len(lacking) and len(lacking) <= self.kv.num_free:
-                self._allocate_many(slots[lacking], np.ones(len(lacking), dtype=np.int64))
+                ar_ids = self._allocate_many(slots[lacking], np.ones(len(lacking), dtype=np.int64))
+                self._ar_blocks = (lacking, ar_ids)
             elif len(lacking):
+                self._ar_blocks = None  # the per-request path: new ids gathered from the tables
                 keep = np.ones(len(slots), dtype=bool)
                 for i in lacking.tolist():  # oldest first; may preempt younger requests
                     req = self._slot_reqs[slots[i]]
@@ -502,6 +507,7 @@ class Scheduler:
                         keep[i] = False
                 slots = slots[keep]
         if self._num_preemptions != num_preempted:  # some were preempted to make room
+            self._ar_blocks = None
             slots = slots[self._slot_decoding[slots]]
             prefills = [(r, c) for r, c in prefills if r.slot >= 0]
 
@@ -630,6 +636,7 @@ class Scheduler:
         bs = kv.block_size
         num_computed = self._num_computed[slots]  # [n]
         d = num_draft
+        draft_blocks: tuple[np.ndarray, np.ndarray, list[int]] | None = None
         if d.any():
             # Every request needs at most ceil(d / bs) + 1 new blocks; when the pool holds that
             # for everyone, no request can run short (the common case: one batched allocation).
@@ -638,8 +645,9 @@ class Scheduler:
                 need = np.where(d > 0, need, 0)
                 take = np.flatnonzero(need > 0)
                 if len(take):
-                    self._allocate_many(slots[take], need[take])
+                    draft_blocks = (take, need[take], self._allocate_many(slots[take], need[take]))
             else:
+                self._ar_blocks = None
                 d = d.copy()
                 for i in np.flatnonzero(d).tolist():
                     slot = int(slots[i])
@@ -668,10 +676,7 @@ class Scheduler:
         block_offset = -(-num_computed // bs)
         block_counts = np.maximum(self._num_blocks[slots] - block_offset, 0)
         req_ids = self._slot_req_id[slots]
-        new_ids: list[int] = []
-        tables = kv.tables
-        for i in np.flatnonzero(block_counts).tolist():
-            new_ids += tables[int(req_ids[i])][int(block_offset[i]) :]
+        new_ids = self._new_block_ids(req_ids, block_offset, block_counts, draft_blocks)
         decode = DecodeRows.build(
             req_ids, slots, num_computed, d, block_offset, block_counts, new_ids
         )
@@ -680,6 +685,32 @@ class Scheduler:
         kv_tokens = int(num_computed.sum()) + total_rows
         lag = int(self._drafter_lag[slots][spec].sum())
         return decode, route, total_rows, kv_tokens, int(d.max()), lag
+
+    def _new_block_ids(self, req_ids, block_offset, block_counts, draft_blocks):
+        """Flat new block ids of the decode rows in request order: from this round's batched
+        allocations (AR row block first, then the drafts') when they account for every new
+        block, else gathered from the pool's tables."""
+        ar = self._ar_blocks
+        if ar is not None:
+            counts = np.zeros(len(req_ids), dtype=np.int64)
+            counts[ar[0]] = 1
+            if draft_blocks is not None:
+                counts[draft_blocks[0]] += draft_blocks[1]
+            if np.array_equal(counts, block_counts):
+                starts = np.cumsum(counts) - counts  # [n]
+                new_ids = np.empty(int(counts.sum()), dtype=np.int64)
+                new_ids[starts[ar[0]]] = ar[1]
+                if draft_blocks is not None:
+                    take, need, ids = draft_blocks
+                    first = starts[take] + (counts[take] - need)  # after the AR row's block
+                    within = np.arange(int(need.sum())) - np.repeat(np.cumsum(need) - need, need)
+                    new_ids[np.repeat(first, need) + within] = ids
+                return new_ids
+        new_ids: list[int] = []
+        tables = self.kv.tables
+        for i in np.flatnonzero(block_counts).tolist():
+            new_ids += tables[int(req_ids[i])][int(block_offset[i]) :]
+        return new_ids
 
     def _build_prefills(self, prefills) -> tuple[ReqPlan, ...]:
         bs = self.kv.block_size
