@@ -123,7 +123,6 @@ class PendingRound:
     slots: np.ndarray | None = None  # [m] slot of every planned request in row order
     input_ids: np.ndarray | None = None  # [R]
     group_rows: np.ndarray | None = None  # [m + 1] row starts
-    sample_rows: np.ndarray | None = None  # [num prefill chunks that sample] logit rows
     sample_of: np.ndarray | None = None  # [same] index of those chunks among the requests
     accept: AcceptLaunch | None = None
     drafts: DraftBatch | None = None
@@ -168,10 +167,7 @@ class RoundExecutor:
         self.slot_req = np.full(max_slots, -1, dtype=np.int64)  # req_id, -1: free
         self.num_computed = np.zeros(max_slots, dtype=np.int64)
         self.context_len = np.zeros(max_slots, dtype=np.int64)  # prompt + committed outputs
-        self.num_emitted = np.zeros(max_slots, dtype=np.int64)  # since set-up (RNG step key)
-        self.prompt_len = np.zeros(max_slots, dtype=np.int64)
         self.tokens = np.zeros((max_slots, max_model_len + 1), dtype=np.int32)  # contexts
-        self.sampling: list[SamplingSpec | None] = [None] * max_slots
         self.float_params = np.zeros((len(_FLOAT_PARAMS), max_slots), dtype=np.float32)
         self.top_k = np.zeros(max_slots, dtype=np.int64)  # vocab size when off
         self.seed = np.zeros(max_slots, dtype=np.int64)
@@ -207,7 +203,6 @@ class RoundExecutor:
     def _apply_setup_release(self, plan: RoundPlan) -> None:
         for slot in plan.release:
             self.slot_req[slot] = -1
-            self.sampling[slot] = None
             self.sampler.release_slot(slot)
             if self.drafter is not None:
                 self.drafter.release(slot)
@@ -220,8 +215,6 @@ class RoundExecutor:
             self.slot_req[slot] = s.req_id
             self.num_computed[slot] = 0
             self.context_len[slot] = len(context)
-            self.num_emitted[slot] = s.num_output_tokens
-            self.prompt_len[slot] = prompt_len
             self.tokens[slot, : len(context)] = context
             self._set_sampling(slot, s.req_id, s.sampling)
             self.sampler.setup_slot(slot, context, prompt_len, s.sampling)
@@ -230,7 +223,6 @@ class RoundExecutor:
 
     def _set_sampling(self, slot: int, req_id: int, spec: SamplingSpec) -> None:
         """The slot's sampling parameters as the per-row values `SamplingTensors` holds."""
-        self.sampling[slot] = spec
         self.float_params[:, slot] = (
             max(spec.temperature, 0.0),
             spec.top_p,
@@ -472,7 +464,7 @@ class RoundExecutor:
             draft_rows,
         )
         p.slots, p.input_ids, p.group_rows = slots, input_ids, group_rows
-        p.sample_rows, p.sample_of = sample_rows, sample_of
+        p.sample_of = sample_of
         p.num_rows = num_rows
         p.num_padded = bucket or num_rows
         p.num_kv_tokens = int(seq_lens.sum())
@@ -567,7 +559,6 @@ class RoundExecutor:
             raise RuntimeError("a slot's context grew past the executor's max_model_len")
         self.tokens[tok_slot, tok_pos] = tokens
         self.context_len[slots] += num_emitted
-        self.num_emitted[slots] += num_emitted
         for i in np.flatnonzero(self.penalised[slots] & (num_emitted > 0)).tolist():
             self.sampler.commit(int(slots[i]), tokens[starts[i] : starts[i + 1]].tolist())
         if self.drafter is not None:
