@@ -431,7 +431,7 @@ class Engine:
         plan = self.scheduler.plan(time.monotonic())
         if not (plan.num_reqs or plan.setup or plan.release):
             self._collect(outputs, self._take_pending())
-            return self._outputs(outputs)
+            return self._forget_finished(self._outputs(outputs))
         t1 = time.perf_counter()
         try:
             launched = self.executor.launch(plan)
@@ -439,22 +439,23 @@ class Engine:
             log.exception("round %d failed; failing its %d requests", plan.round_id, plan.num_reqs)
             self._collect(outputs, self._take_pending())
             self._fail_round(plan, outputs)
-            return self._outputs(outputs)
+            return self._forget_finished(self._outputs(outputs))
         t2 = time.perf_counter()
         # The previous round's per-output work, while the device runs this one.
         self._collect(outputs, self._take_pending())
+        ready = self._outputs(outputs)
         t3 = time.perf_counter()
         try:
             result = self.executor.finish(launched)
         except Exception:
             log.exception("round %d failed; failing its %d requests", plan.round_id, plan.num_reqs)
-            self._fail_round(plan, outputs)
-            return self._outputs(outputs)
+            self._fail_round(plan, outputs)  # merged into this step's outputs
+            return self._forget_finished(self._outputs(outputs))
         t4 = time.perf_counter()
         self._pending = self.scheduler.update(result, time.monotonic())
         t5 = time.perf_counter()
         self._record_round(plan, result, plan_s=t1 - t0, collect_s=t3 - t2, update_s=t5 - t4)
-        return self._outputs(outputs)
+        return self._forget_finished(ready)
 
     def _take_pending(self) -> RoundDeltas | None:
         pending, self._pending = self._pending, None
@@ -496,7 +497,7 @@ class Engine:
         drafted = (out.num_drafted[None, :] > positions).sum(1).tolist()
         accepted = (np.minimum(out.num_accepted, out.num_drafted)[None, :] > positions).sum(1)
         t = result.timings
-        switches = self.scheduler.stats.num_policy_switches
+        switches = self.scheduler.num_policy_switches
         new_switches, self._num_switches = switches - self._num_switches, switches
         route = plan.route
         self._rounds.append(
@@ -597,21 +598,23 @@ class Engine:
             req = self._requests.get(request_id)
             if req is None:
                 continue
-            finished = all(self._choices[c].finished for c in req.choice_ids)
             result.append(
                 RequestOutput(
                     request_id=request_id,
                     prompt=req.prompt,
                     prompt_token_ids=req.prompt_token_ids,
                     outputs=list(outs.values()),
-                    finished=finished,
+                    finished=all(self._choices[c].finished for c in req.choice_ids),
                 )
             )
-            if finished:
-                for c in req.choice_ids:
-                    del self._choices[c]
-                del self._requests[request_id]
         return result
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for out in outputs:
+            if out.finished:
+                for c in self._requests.pop(out.request_id).choice_ids:
+                    del self._choices[c]
+        return outputs
 
     # -- observability ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -911,6 +911,10 @@ class Scheduler:
         return len(self._live)
 
     @property
+    def num_policy_switches(self) -> int:
+        return self._num_switches
+
+    @property
     def num_waiting(self) -> int:
         return self.admission.num_waiting
 
