@@ -126,6 +126,11 @@ def walk_groups(
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
     num_rows = int(group_rows[-1])
+    if num_rows == n:  # no drafts (AR rows only): each row emits its own token
+        token = host[_GREEDY, :n] if forced_accept is not None else None
+        if token is None:
+            token = np.where(greedy, host[_GREEDY, :n], host[_DRAW, :n])
+        return np.zeros(n, dtype=np.int64), np.ones(n, dtype=np.int64), token
     rows_per = np.diff(group_rows)  # [n] = 1 + num_draft
     owner = np.repeat(np.arange(n), rows_per)  # [R] group of each row
     j = np.arange(num_rows) - group_rows[owner]  # [R] row index inside its group

@@ -377,7 +377,8 @@ class RoundExecutor:
         host.add("cu_q_lens", group_rows, np.int32)
         host.add("seq_lens", seq_lens, np.int32)
         host.add("block_tables", self.block_tables[slots, :max_blocks], np.int32)
-        host.add("logit_rows", logit_rows, np.int64)
+        if num_logit < num_rows:
+            host.add("logit_rows", logit_rows, np.int64)
         row_greedy = self.greedy[row_slot]  # [L]
         floats = self.float_params[:, row_slot]  # [6, L]
         # greedy rows divide by 1.0 so that the division stays finite
