@@ -108,6 +108,44 @@ def test_a_request_aborted_between_steps_emits_nothing_more(model_dir):
     _idle(engine)
 
 
+def test_stop_strings_aborts_and_preemption_together_keep_outputs_exact(model_dir):
+    """A small KV cache (requests are preempted and recomputed), prompt-lookup speculation,
+    stop strings and an abort, all through the overlapped loop: every finished output equals
+    its request's plain greedy output cut at its stop string, and resources come back."""
+    kw = dict(max_model_len=96, block_size=8, max_prefill_tokens=16, spec_depth=4)
+    ref = _llm(model_dir, **kw)
+    prompts = [PROMPT[: 20 + 7 * i] for i in range(6)]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    texts = [o.outputs[0].text for o in ref.generate(prompts, greedy)]
+    stops = [t[len(t) // 2 : len(t) // 2 + 2] for t in texts]
+    llm = _llm(
+        model_dir, draft="ngram", spec_mode="spec", max_concurrency=4, kv_cache_memory="64KiB", **kw
+    )
+    engine = llm.engine
+    for i, (prompt, stop) in enumerate(zip(prompts, stops)):
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+        engine.add_request(f"r{i}", prompt, params)
+    pieces: dict[str, list[str]] = {f"r{i}": [] for i in range(6)}
+    finish = {}
+    num_steps = 0
+    while engine.has_unfinished():
+        num_steps += 1
+        if num_steps == 6:
+            engine.abort("r5")
+        for out in engine.step():
+            assert out.request_id not in finish
+            pieces[out.request_id].append(out.outputs[0].text)
+            if out.finished:
+                finish[out.request_id] = out.outputs[0].finish_reason
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert "r5" not in finish
+    for i in range(5):
+        text, stop = texts[i], stops[i]
+        assert finish[f"r{i}"] == "stop"
+        assert "".join(pieces[f"r{i}"]) == text[: text.index(stop)]
+    _idle(engine)
+
+
 def test_outputs_of_a_round_arrive_with_the_next_step(model_dir):
     llm = _llm(model_dir)
     engine = llm.engine
