@@ -52,15 +52,21 @@ _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence", "frequency", "repe
 
 
 class _HostBuffer:
-    """Double-buffered (pinned on a GPU) byte buffer that one round's inputs are packed into
-    and uploaded from in one copy. Arrays of one dtype are packed back to back into one 8-byte
-    aligned group, so the device side needs one dtype view and one split per group."""
+    """One round's inputs packed into a (pinned on a GPU, double-buffered) host byte buffer and
+    uploaded with one non-blocking copy into a persistent device buffer. Arrays of one dtype
+    sit back to back in one 8-byte aligned group. The device views are cached per layout, so a
+    steady run of same-shaped rounds creates no tensors at all; reusing the device buffer is
+    safe because the copy is ordered on the stream after the previous round's kernels."""
 
-    def __init__(self, pinned: bool):
+    def __init__(self, device: torch.device):
+        self.device = device
+        pinned = device.type == "cuda"
         self.pinned = pinned
         self.bufs: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
+        self.dev_buf = torch.empty(0, dtype=torch.uint8, device=device)
         self.which = 0
         self.groups: dict[str, list[tuple[str, np.ndarray]]] = {}  # dtype char -> arrays
+        self._views: dict[tuple, dict[str, torch.Tensor]] = {}
 
     def start(self) -> None:
         self.groups = {}
@@ -70,7 +76,7 @@ class _HostBuffer:
         values = np.ascontiguousarray(values, dtype=dtype)
         self.groups.setdefault(values.dtype.char, []).append((name, values))
 
-    def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def upload(self) -> dict[str, torch.Tensor]:
         layout = []  # (dtype char, byte offset, bytes, arrays)
         size = 0
         for char, items in self.groups.items():
@@ -91,14 +97,23 @@ class _HostBuffer:
                 else np.concatenate([v.reshape(-1) for _, v in items])
             )
             host[start : start + nbytes] = flat.view(np.uint8)
-        dev = buf[:size].to(device, non_blocking=True)  # the one host -> device copy
-        out = {}
-        for char, start, nbytes, items in layout:
-            group = dev[start : start + nbytes].view(_TORCH_DTYPE[char])
-            parts = group.split([v.size for _, v in items]) if len(items) > 1 else (group,)
-            for (name, v), part in zip(items, parts):
-                out[name] = part if v.ndim == 1 else part.view(v.shape)
-        return out
+        if self.dev_buf.numel() < size:
+            self.dev_buf = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
+            self._views = {}
+        self.dev_buf[:size].copy_(buf[:size], non_blocking=True)  # the one host -> device copy
+        key = tuple((name, v.shape, char) for char, _, _, items in layout for name, v in items)
+        views = self._views.get(key)
+        if views is None:
+            views = {}
+            for char, start, nbytes, items in layout:
+                group = self.dev_buf[start : start + nbytes].view(_TORCH_DTYPE[char])
+                parts = group.split([v.size for _, v in items]) if len(items) > 1 else (group,)
+                for (name, v), part in zip(items, parts):
+                    views[name] = part if v.ndim == 1 else part.view(v.shape)
+            if len(self._views) > 256:  # shapes drift with contexts: keep the cache small
+                self._views = {}
+            self._views[key] = views
+        return views
 
 
 _TORCH_DTYPE = {
@@ -182,7 +197,7 @@ class RoundExecutor:
         self.sampler = RowSampler(target.config.vocab_size, self.device, base_seed, max_slots)
         self.base_seed = base_seed
         self.sync_phases = sync_phases and self.device.type == "cuda"
-        self._host = _HostBuffer(pinned=self.device.type == "cuda")
+        self._host = _HostBuffer(self.device)
         self.graphs: DecodeGraphs | None = None
         if graphs != "off" and self.device.type == "cuda":
             self.graphs = DecodeGraphs(
@@ -396,7 +411,7 @@ class RoundExecutor:
         with_probs = p.drafts is not None and p.drafts.probs is not None
         if with_probs:  # the logit rows the drafts' distributions belong to
             host.add("draft_rows", np.flatnonzero(has_next), np.int64)
-        dev = host.upload(self.device)
+        dev = host.upload()
         meta = AttnMetadata(
             positions=dev["positions"],
             slot_mapping=dev["slot_mapping"],

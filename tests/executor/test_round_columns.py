@@ -81,18 +81,20 @@ def test_vectorised_walk_matches_the_per_request_rule(groups, mode, seed):
 
 
 def test_host_buffer_packs_every_region_with_its_dtype_and_shape():
-    buf = _HostBuffer(pinned=False)
-    for round_idx in range(3):  # regions of changing sizes, alternating buffers
+    buf = _HostBuffer(torch.device("cpu"))
+    # regions of changing sizes, then the same layout again (cached views, new data)
+    for round_idx, length in enumerate([5, 6, 7, 7, 7, 3]):
         arrays = {
-            "ids": np.arange(5 + round_idx, dtype=np.int64) * 7,
-            "cu": np.array([0, 3, 5 + round_idx], dtype=np.int32),
+            "ids": np.arange(length, dtype=np.int64) * 7 + round_idx,
+            "cu": np.array([0, 3, length + round_idx], dtype=np.int32),
             "tables": np.arange(6, dtype=np.int32).reshape(2, 3) + round_idx,
-            "floats": np.linspace(0, 1, 9, dtype=np.float32).reshape(3, 3),
+            "floats": np.linspace(0, 1, 9, dtype=np.float32).reshape(3, 3) * round_idx,
+            "greedy": np.arange(length) % 2 == round_idx % 2,
         }
         buf.start()
         for name, a in arrays.items():
             buf.add(name, a, a.dtype)
-        dev = buf.upload(torch.device("cpu"))
+        dev = buf.upload()
         for name, a in arrays.items():
             assert dev[name].shape == a.shape
             assert torch.equal(dev[name], torch.from_numpy(a))
