@@ -441,9 +441,11 @@ class Engine:
             self._fail_round(plan, outputs)
             return self._forget_finished(self._outputs(outputs))
         t2 = time.perf_counter()
-        # The previous round's per-output work, while the device runs this one.
+        # The previous round's per-output work, and the next round's speculation decision,
+        # while the device runs this one.
         self._collect(outputs, self._take_pending())
         ready = self._outputs(outputs)
+        self.scheduler.prepare_decision()
         t3 = time.perf_counter()
         try:
             result = self.executor.finish(launched)

@@ -40,6 +40,7 @@ from scheduler.policy import (
     DecodeView,
     RateTracker,
     SpecPolicy,
+    depth_caps,
 )
 from scheduler.request import (
     SPECULATION_CHOICES,
@@ -222,6 +223,8 @@ class Scheduler:
         self._last_raw_ms = 0.0
         self._last_extra_tokens = 0.0
         self._last_reason = ""
+        # (slots, req ids, drafts, reason) decided ahead for the next round (prepare_decision)
+        self._prepared: tuple | None = None
         self._last_plan: RoundPlan | None = None
         self._last_measured_ms = 0.0
         self.rate_tracker = RateTracker()
@@ -566,9 +569,42 @@ class Scheduler:
         n = len(slots)
         self._last_extra_tokens = 0.0
         self._round_ar_rate = 0.0
+        prepared, self._prepared = self._prepared, None
         if n == 0 or self.config.max_drafts == 0:
             self._last_reason = "no decoding request" if n == 0 else "no speculation"
             return np.zeros(n, dtype=np.int64)
+        cfg = self.config
+        view, ar_ms = self._policy_view(slots, prefills, self._round_id)
+        # Only decode-only rounds feed the rate bar (see RateTracker): with a prefill chunk in
+        # the round, drafts ride on an expensive eager forward and the uplift over AR is far
+        # above what decode rounds can reach.
+        self._round_ar_rate = 0.0 if prefills else n / ar_ms
+        if (
+            prepared is not None
+            and not prefills
+            and not self._cohort_changed
+            and np.array_equal(prepared[0], slots)
+            and np.array_equal(prepared[1], view.req_ids)
+        ):
+            # decided ahead (prepare_decision) for exactly these requests; a request that
+            # has fewer tokens left than then cannot use more drafts than it has
+            num_draft = np.minimum(prepared[2], depth_caps(view))
+            self._last_reason = prepared[3] + " (ahead)"
+        else:
+            decision = self.policy.decide(view, self.estimator, self.cost_model)
+            self._last_reason = decision.reason
+            num_draft = np.asarray(decision.num_draft, dtype=np.int64)
+        if num_draft.any():
+            # expected extra tokens by the estimators, whatever policy chose the depths
+            survival = self.estimator.survival(slots)[:, : cfg.max_drafts]  # [n, D]
+            taken = np.arange(cfg.max_drafts)[None, :] < num_draft[:, None]
+            self._last_extra_tokens = float((survival * taken).sum())
+        return num_draft
+
+    def _policy_view(self, slots: np.ndarray, prefills, round_id: int):
+        """The policy's view of a round that decodes `slots` next to `prefills` (chunks), and
+        the predicted time of its all-AR alternative."""
+        n = len(slots)
         cfg = self.config
         remaining = self._remaining[slots]
         last_mode = self._last_mode[slots]
@@ -591,10 +627,6 @@ class Scheduler:
         ar_ms = self.cost_model.predict_ms_scalar(
             base_rows, base_kv_tokens, 0, 0, 0, num_prefill_rows
         )
-        # Only decode-only rounds feed the rate bar (see RateTracker): with a prefill chunk in
-        # the round, drafts ride on an expensive eager forward and the uplift over AR is far
-        # above what decode rounds can reach.
-        self._round_ar_rate = 0.0 if prefills else n / ar_ms
         view = DecodeView(
             req_ids=self._slot_req_id[slots],
             slots=slots,
@@ -604,7 +636,7 @@ class Scheduler:
             must_spec=spec_code == 2,
             was_spec=last_mode == Mode.SPEC,
             # a request's first decode round has no mode to hold on to yet
-            in_dwell=(self._round_id - self._mode_since[slots] < cfg.min_dwell_rounds)
+            in_dwell=(round_id - self._mode_since[slots] < cfg.min_dwell_rounds)
             & (last_mode != Mode.PREFILL),
             weights=weights,
             max_drafts=cfg.max_drafts,
@@ -617,15 +649,27 @@ class Scheduler:
             draining=draining,
             rate_bar=self.rate_tracker.uplift * base_tokens / ar_ms,
         )
+        return view, ar_ms
+
+    def prepare_decision(self) -> None:
+        """Makes the next round's speculation decision ahead of its plan(): the engine calls
+        this while the device runs the current round, so the policy's search leaves the host
+        time between rounds. It sees the request state and acceptance estimates of one round
+        earlier (the running round's outcome is not known yet); plan() uses it only when the
+        next round decodes exactly the same requests with no prefill chunk and no arrival or
+        departure in between, and decides afresh otherwise."""
+        self._prepared = None
+        slots = self._decoding_slots()
+        if len(slots) == 0 or self.config.max_drafts == 0:
+            return
+        view, _ = self._policy_view(slots, (), self._round_id + 1)
         decision = self.policy.decide(view, self.estimator, self.cost_model)
-        self._last_reason = decision.reason
-        num_draft = np.asarray(decision.num_draft, dtype=np.int64)
-        if num_draft.any():
-            # expected extra tokens by the estimators, whatever policy chose the depths
-            survival = self.estimator.survival(slots)[:, : cfg.max_drafts]  # [n, D]
-            taken = np.arange(cfg.max_drafts)[None, :] < num_draft[:, None]
-            self._last_extra_tokens = float((survival * taken).sum())
-        return num_draft
+        self._prepared = (
+            slots.copy(),
+            view.req_ids.copy(),
+            np.asarray(decision.num_draft, dtype=np.int64),
+            decision.reason,
+        )
 
     def _build_decode(self, slots: np.ndarray, num_draft: np.ndarray):
         """Allocates the drafts' KV blocks and builds the decode columns of the plan."""
