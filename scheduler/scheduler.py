@@ -40,7 +40,6 @@ from scheduler.policy import (
     DecodeView,
     RateTracker,
     SpecPolicy,
-    depth_caps,
 )
 from scheduler.request import (
     SPECULATION_CHOICES,
@@ -225,6 +224,11 @@ class Scheduler:
         self._last_reason = ""
         # (slots, req ids, drafts, reason) decided ahead for the next round (prepare_decision)
         self._prepared: tuple | None = None
+        # Rounds whose acceptance outcomes the estimator has not taken in yet, oldest first:
+        # None (decay only) or (slots, drafted, accepted). update() only records them; they are
+        # applied before any decision that reads the estimator (prepare_decision in the
+        # engine's overlap window, or a fresh decision in plan()), off the host's critical path.
+        self._pending_obs: list[tuple | None] = []
         self._last_plan: RoundPlan | None = None
         self._last_measured_ms = 0.0
         self.rate_tracker = RateTracker()
@@ -376,6 +380,7 @@ class Scheduler:
             req.last_mode = Mode.PREFILL  # no decode decision yet
             req.mode_since_round = self._round_id
             req.drafter_lag = 0
+            self._flush_observations()  # a slot's last outcomes must not reach its new request
             self.estimator.reset(req.slot)
             self._live.append(req)
             self._cohort_changed = True
@@ -574,26 +579,34 @@ class Scheduler:
             self._last_reason = "no decoding request" if n == 0 else "no speculation"
             return np.zeros(n, dtype=np.int64)
         cfg = self.config
-        view, ar_ms = self._policy_view(slots, prefills, self._round_id)
-        # Only decode-only rounds feed the rate bar (see RateTracker): with a prefill chunk in
-        # the round, drafts ride on an expensive eager forward and the uplift over AR is far
-        # above what decode rounds can reach.
-        self._round_ar_rate = 0.0 if prefills else n / ar_ms
         if (
             prepared is not None
             and not prefills
             and not self._cohort_changed
             and np.array_equal(prepared[0], slots)
-            and np.array_equal(prepared[1], view.req_ids)
+            and np.array_equal(prepared[1], self._slot_req_id[slots])
         ):
-            # decided ahead (prepare_decision) for exactly these requests; a request that
-            # has fewer tokens left than then cannot use more drafts than it has
-            num_draft = np.minimum(prepared[2], depth_caps(view))
+            # Decided ahead (prepare_decision) for exactly these requests: only what changed
+            # since is checked (a request with fewer tokens left cannot use as many drafts).
+            remaining = self._remaining[slots]
+            caps = np.where(
+                self._spec_code[slots] > 0, np.minimum(remaining - 1, cfg.max_drafts), 0
+            )
+            num_draft = np.minimum(prepared[2], np.maximum(caps, 0))
             self._last_reason = prepared[3] + " (ahead)"
+            ar_ms = self.cost_model.predict_ms_scalar(
+                n, int(self._num_computed[slots].sum()) + n, 0, 0, 0, 0
+            )
         else:
+            self._flush_observations()
+            view, ar_ms = self._policy_view(slots, prefills, self._round_id)
             decision = self.policy.decide(view, self.estimator, self.cost_model)
             self._last_reason = decision.reason
             num_draft = np.asarray(decision.num_draft, dtype=np.int64)
+        # Only decode-only rounds feed the rate bar (see RateTracker): with a prefill chunk in
+        # the round, drafts ride on an expensive eager forward and the uplift over AR is far
+        # above what decode rounds can reach.
+        self._round_ar_rate = 0.0 if prefills else n / ar_ms
         if num_draft.any():
             # expected extra tokens by the estimators, whatever policy chose the depths
             survival = self.estimator.survival(slots)[:, : cfg.max_drafts]  # [n, D]
@@ -651,6 +664,17 @@ class Scheduler:
         )
         return view, ar_ms
 
+    def _flush_observations(self) -> None:
+        """Applies the recorded rounds' outcomes to the acceptance estimator, in order."""
+        if not self._pending_obs:
+            return
+        est = self.estimator
+        for obs in self._pending_obs:
+            est.decay()
+            if obs is not None:
+                est.observe(*obs)
+        self._pending_obs.clear()
+
     def prepare_decision(self) -> None:
         """Makes the next round's speculation decision ahead of its plan(): the engine calls
         this while the device runs the current round, so the policy's search leaves the host
@@ -659,6 +683,7 @@ class Scheduler:
         next round decodes exactly the same requests with no prefill chunk and no arrival or
         departure in between, and decides afresh otherwise."""
         self._prepared = None
+        self._flush_observations()
         slots = self._decoding_slots()
         if len(slots) == 0 or self.config.max_drafts == 0:
             return
@@ -787,7 +812,7 @@ class Scheduler:
                 self.cost_model.observe(
                     plan.num_rows, plan.spec_depth > 1, self._last_raw_ms, measured_ms
                 )
-        self.estimator.decay()
+        self._pending_obs.append(None)  # this round decays every belief (applied later)
         plan, self._inflight = self._inflight, None
         out = result.out
         if plan is None or plan.round_id != result.round_id:
@@ -829,7 +854,7 @@ class Scheduler:
         self._drafter_lag[slots] = np.where(live, np.where(spec, 0, lag + 1), lag)
         observed = live & spec
         if observed.any():
-            self.estimator.observe(slots[observed], d[observed], accepted[observed])
+            self._pending_obs[-1] = (slots[observed], d[observed], accepted[observed])
             self._num_drafted += int(d[observed].sum())
             self._num_accepted += int(accepted[observed].sum())
         # Stops: max_tokens reached inside the run, a stop/EOS id among the tokens, or a stop
