@@ -303,6 +303,11 @@ def time_engine_overhead(
     try:
         for c in concurrencies:
             engine.scheduler = engine._make_scheduler("ar", None)
+            # as many requests as can wait and decode together in this engine's KV cache
+            blocks_each = -(-(prompt_len + num_steps + 16) // engine.config.block_size) + 1
+            c = min(c, engine.scheduler.config.max_queue, engine.num_kv_blocks // blocks_each)
+            if c < 1 or any(p[0] == c for p in out):
+                continue
             params = SamplingParams(max_tokens=num_steps + 16, temperature=0.0, ignore_eos=True)
             g = torch.Generator().manual_seed(c)
             for i in range(c):
