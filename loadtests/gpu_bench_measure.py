@@ -121,6 +121,7 @@ def _sim_task(task: tuple) -> dict:
             spec_depth=spec_depth,
             seed=seed,
             max_prefill_tokens=max_prefill,
+            decide_ahead=True,  # as the engine's loop does
         ),
         Workload(**workload),
     )

@@ -341,7 +341,7 @@ def _miss_lines(targets: dict, rows: list[dict]) -> list[str]:
     if not misses:
         return []
     lines = ["", "### Where adaptive misses: round phases (ms per full-live step)", ""]
-    phase_names = ["build", "draft", "forward", "accept", "commit", "plan", "update"]
+    phase_names = ["build", "draft", "forward", "accept", "commit", "plan", "collect", "update"]
     headers = [
         "drafter",
         "cohort",

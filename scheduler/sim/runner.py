@@ -48,6 +48,9 @@ class SimSetup:
     max_prefill_tokens: int = 2048
     num_kv_blocks: int = 0  # 0: enough for every slot at its longest (no preemption)
     tenants: tuple[TenantSpec, ...] = ()
+    # decide the next round while this one "runs", as the engine does in its overlap window
+    # (Scheduler.prepare_decision): decisions then see estimates one round older
+    decide_ahead: bool = False
 
 
 @dataclass
@@ -185,6 +188,8 @@ def run_sim(
         elif not sched.has_work():
             break
         plan = sched.plan(now)
+        if setup.decide_ahead:
+            sched.prepare_decision()
         result = executor.run(plan)
         if not plan.num_reqs:
             sched.update(result, now)
