@@ -14,7 +14,8 @@ One run, in order:
    GEMM rate measured in the same call); the scheduler's cost model and the simulator read it;
 3. round time over rows x KV length against the roofline max(bytes / copy BW, FLOPs / GEMM rate)
    (shapes over 1.3 x re-timed phase by phase), the decode graphs the runs replay captured
-   ahead, and GPU idle in the engine loop at C = 64 (torch profiler);
+   ahead (target and draft model), two unmeasured all-spec runs (kernels compiled on first
+   use), and GPU idle in the engine loop at C = 64 (torch profiler);
 4. the refill workload at each C: C slots, a finished request replaced at once while the source
    has requests, `waves * C` requests (at least `--min-requests`), prompts of ~`--prompt-len`
    tokens (uniform in [len/2, 3 len/2], the simulator's workload), `--max-tokens` outputs each,
@@ -52,7 +53,7 @@ from loadtests.gpu_bench_measure import (
     roofline_curve,
     simulate,
 )
-from loadtests.gpu_bench_runs import build_engine, recover, run_grid, warm_graphs
+from loadtests.gpu_bench_runs import build_engine, recover, run_grid, warm_graphs, warm_runs
 
 PROFILES = Path(__file__).resolve().parents[1] / "scheduler" / "profiles"
 REAL_POLICIES = ("adaptive", "all-ar", "all-spec", "threshold", "goodput", "sticky", "survival")
@@ -264,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{warm_graphs(engine, cfg)} decode graphs captured ahead of the runs")
         except Exception as e:  # the runs capture lazily instead
             notes.append(f"graph warm-up failed: {e!r}")
+        try:
+            log(f"{warm_runs(engine, cfg, paths, model_inner)} unmeasured warm-up runs made")
+        except Exception as e:
+            notes.append(f"warm-up runs failed: {e!r}")
+            if not recover(engine):
+                notes.append("the engine could not be drained after them")
         idle = {}
         try:
             if time.perf_counter() < t_start + 0.4 * cfg.time_budget_s:

@@ -316,6 +316,20 @@ def run_point(engine, cfg, policy, drafter, cohort, concurrency, paths, model_in
     return summary
 
 
+def warm_runs(engine, cfg, paths, model_inner) -> int:
+    """Unmeasured all-spec runs of the first (drafter, cohort) at the largest and a small C
+    before the grid: kernels compiled on first use (the eager prefill chunks, the draft
+    model's catch-up shapes) would otherwise stall the first measured run that meets them.
+    Returns how many runs were made (none without a GPU)."""
+    if engine.device.type != "cuda":
+        return 0
+    drafter, cohort = cfg.points()[0]
+    sizes = sorted({max(cfg.concurrency), min(4, max(cfg.concurrency))}, reverse=True)
+    for c in sizes:
+        run_point(engine, cfg, "all-spec", drafter, cohort, c, paths, model_inner)
+    return len(sizes)
+
+
 def grid_order(cfg: BenchConfig) -> list[tuple[int, str, str, str, int]]:
     """(repeat, policy, drafter, cohort, C), repeat-major; all-AR once per (repeat, C)."""
     order = []
