@@ -99,11 +99,12 @@ class DraftModelDrafter:
             )
 
     def capture_graphs(
-        self, max_seqs: int | None = None, widths: tuple[int, ...] = (), q_lens=(1, 2)
+        self, max_seqs: int | None = None, widths: tuple[int, ...] = (), q_lens=(1, 2, 4)
     ) -> int:
         """Captures the drafting graphs ahead of serving: every row bucket that `max_seqs`
         requests with `q` rows each can need (q = 1: chain steps; q = 2: step 0 after a fully
-        accepted chain), at the given block-table widths in blocks (default: the narrowest).
+        accepted chain; q = 4: step 0 after up to three AR rounds), at the given block-table
+        widths in blocks (default: the narrowest).
         Returns how many graphs exist. Without graphs (CPU, or off) nothing happens."""
         if self.graphs is None:
             return 0
@@ -145,30 +146,63 @@ class DraftModelDrafter:
             raise RuntimeError("DraftModelDrafter needs the executor's block table (bind it)")
         t0 = time.perf_counter()
         num_reqs = len(requests)
-        num_drafts = [r.num_draft for r in requests]
-        max_draft = max(num_drafts, default=0)
+        num_drafts = np.array([r.num_draft for r in requests], dtype=np.int64)  # [num_reqs]
+        max_draft = int(num_drafts.max(initial=0))
         if max_draft == 0:
             return DraftBatch(tokens=[[] for _ in requests])
         vocab = self.model.config.vocab_size
         dev = self.device
-        temps = [0.0 if g else max(r.temperature, 1e-5) for r, g in zip(requests, greedy)]
+        temps = np.array(
+            [0.0 if g else max(r.temperature, 1e-5) for r, g in zip(requests, greedy)],
+            dtype=np.float32,
+        )  # [num_reqs], 0 for greedy
         draft_offsets = np.concatenate([[0], np.cumsum(num_drafts)]).astype(np.int64)
         probs = None  # [sum(num_draft), vocab], only when some request samples
-        if any(t > 0.0 for t in temps):
+        if temps.any():
             probs = torch.zeros(int(draft_offsets[-1]), vocab, dtype=torch.float32, device=dev)
         draft_tokens = torch.zeros(num_reqs, max_draft, dtype=torch.int64, device=dev)
 
+        # Host plan of the whole chain, uploaded once: no step below waits for the device.
+        # Entries of step j (j = 0 .. max_draft-1) are the requests that still draft there.
+        active = np.flatnonzero(num_drafts > 0)  # [n0] request indices, step 0
+        ctx_lens = np.array([len(requests[i].context) for i in active], dtype=np.int64)
+        slots = np.array([requests[i].slot for i in active], dtype=np.int64)
+        too_far = ctx_lens + num_drafts[active] - 1 > self.max_position
+        if too_far.any():
+            k = int(np.flatnonzero(too_far)[0])
+            r = requests[int(active[k])]
+            raise ValueError(
+                f"slot {r.slot}: drafting {r.num_draft} tokens after {len(r.context)} would write "
+                f"position {len(r.context) + r.num_draft - 2}; the drafter covers "
+                f"{self.max_position}"
+            )
+        steps = [np.arange(len(active))]  # per step: positions in `active` still drafting
+        steps += [np.flatnonzero(num_drafts[active] > j) for j in range(1, max_draft)]
+        step_off = np.concatenate([[0], np.cumsum([len(x) for x in steps])])  # [max_draft + 1]
+        local = np.concatenate(steps)  # [E] index into `active` per entry
+        width = -(-int((ctx_lens + num_drafts[active]).max()) // self.block_size)
+        plan_i64 = np.stack(
+            [
+                active[local],  # request index
+                local,  # row of the uploaded block-table rows
+                ctx_lens[local] - 1,  # position of the last committed token
+                draft_offsets[active[local]],  # first probs row of the request
+            ]
+        )  # [4, E]
+        up_i64 = torch.from_numpy(plan_i64).to(dev, non_blocking=True)
+        up_temps = torch.from_numpy(temps[active[local]]).to(dev, non_blocking=True)  # [E]
+        up_tables = torch.from_numpy(np.ascontiguousarray(self.block_tables[slots, :width])).to(
+            dev, non_blocking=True
+        )  # [n0, width]
+
+        def entries(j: int):
+            sl = slice(int(step_off[j]), int(step_off[j + 1]))
+            return up_i64[0, sl], up_i64[1, sl], up_i64[2, sl], up_i64[3, sl], up_temps[sl]
+
         # step 0: catch-up rows and the last committed token, one ragged forward
-        active = [i for i in range(num_reqs) if num_drafts[i] > 0]
         first_pos, num_rows, input_ids = [], [], []
-        for i in active:
+        for i, ctx_len in zip(active.tolist(), ctx_lens.tolist()):
             r = requests[i]
-            ctx_len = len(r.context)
-            if ctx_len + r.num_draft - 1 > self.max_position:
-                raise ValueError(
-                    f"slot {r.slot}: drafting {r.num_draft} tokens after {ctx_len} would write "
-                    f"position {ctx_len + r.num_draft - 2}; the drafter covers {self.max_position}"
-                )
             start = min(int(self.kv_len[r.slot]), ctx_len - 1)
             first_pos.append(start)
             num_rows.append(ctx_len - start)
@@ -176,27 +210,36 @@ class DraftModelDrafter:
         num_catchup_rows = sum(num_rows) - len(active)
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         last_rows = torch.tensor(np.cumsum(num_rows) - 1, dtype=torch.int64, device=dev)
-        logits = self._logits(
-            ids_t, [requests[i].slot for i in active], first_pos, num_rows, last_rows
-        )
-        self._pick(logits, active, 0, temps, draft_offsets, draft_tokens, probs)
+        meta = self._meta(slots.tolist(), first_pos, num_rows)
+        logits = self._forward_logits(ids_t, meta, max(num_rows), last_rows)
+        req, _, _, prow, temp = entries(0)
+        self._pick(logits, req, prow, temp, 0, draft_tokens, probs)
         if num_catchup_rows:
             self._sync()
         t_first = time.perf_counter()
-        for i in active:
+        for slot, ctx_len in zip(slots.tolist(), ctx_lens.tolist()):
             # the whole context now has draft KV; the drafts' KV becomes valid in `commit`
-            self.kv_len[requests[i].slot] = len(requests[i].context)
+            self.kv_len[slot] = ctx_len
 
-        # steps 1 .. max_draft-1: one row per request still drafting
+        # steps 1 .. max_draft-1: one row per request still drafting, metadata on the device
+        bs = self.block_size
+        arange = torch.arange(len(active) + 1, dtype=torch.int32, device=dev)
         for j in range(1, max_draft):
-            active = [i for i in active if num_drafts[i] > j]
-            active_t = torch.tensor(active, dtype=torch.int64, device=dev)
-            ids_t = draft_tokens[active_t, j - 1]  # [num_active]
-            positions = [len(requests[i].context) - 1 + j for i in active]
-            logits = self._logits(
-                ids_t, [requests[i].slot for i in active], positions, [1] * len(active), None
+            req, row, last_pos, prow, temp = entries(j)
+            n = len(steps[j])
+            positions = last_pos + j  # [n]
+            tables = up_tables[row]  # [n, width]
+            block = tables.gather(1, (positions // bs)[:, None]).squeeze(1).long()
+            meta = AttnMetadata(
+                positions=positions,
+                slot_mapping=block * bs + positions % bs,
+                cu_q_lens=arange[: n + 1],
+                seq_lens=(positions + 1).to(torch.int32),
+                block_tables=tables,
+                max_q_len=1,
             )
-            self._pick(logits, active, j, temps, draft_offsets, draft_tokens, probs)
+            logits = self._forward_logits(draft_tokens[req, j - 1], meta, 1, None)
+            self._pick(logits, req, prow, temp, j, draft_tokens, probs)
 
         tokens_host = draft_tokens.tolist()  # the one device->host copy of the drafts
         t_end = time.perf_counter()
@@ -211,7 +254,7 @@ class DraftModelDrafter:
                 catchup_ms = max(first_ms - step_ms, 0.0)
             else:
                 catchup_ms = first_ms * num_catchup_rows / (num_catchup_rows + len(num_rows))
-        tokens = [tokens_host[i][: num_drafts[i]] for i in range(num_reqs)]
+        tokens = [tokens_host[i][: int(num_drafts[i])] for i in range(num_reqs)]
         return DraftBatch(
             tokens=tokens,
             probs=probs,
@@ -219,25 +262,21 @@ class DraftModelDrafter:
             extra={"num_catchup_rows": num_catchup_rows},
         )
 
-    def _logits(
+    def _forward_logits(
         self,
-        ids: torch.Tensor,  # [sum(num_rows)] int64 on the device
-        slots: list[int],
-        first_pos: list[int],
-        num_rows: list[int],
+        ids: torch.Tensor,  # [num_rows] int64 on the device
+        meta: AttnMetadata,  # on the device
+        max_q_len: int,  # most rows of one sequence
         pick_rows: torch.Tensor | None,  # [num_seqs] rows whose logits are wanted; None: all
     ) -> torch.Tensor:
-        """Ragged forward of `num_rows[s]` consecutive rows per sequence starting at position
-        `first_pos[s]`, K/V written into the draft cache; returns float32 logits of the picked
-        rows [num_picked, vocab]. A graph replays it when the shape allows."""
-        total = len(ids)
-        bucket = bucket_for(total)
+        """Forward of the rows `meta` describes, K/V written into the draft cache; float32
+        logits of the picked rows [num_picked, vocab]. A graph replays it when one fits."""
+        bucket = bucket_for(len(ids))
         if (
             self.graphs is not None
             and 0 < bucket <= self.graphs.max_rows
-            and max(num_rows) <= GRAPH_MAX_ROWS_PER_SEQ
+            and max_q_len <= GRAPH_MAX_ROWS_PER_SEQ
         ):
-            meta = self._meta(slots, first_pos, num_rows)
             logits = self.graphs.run(
                 bucket,
                 ids,
@@ -246,12 +285,10 @@ class DraftModelDrafter:
                 meta.cu_q_lens,
                 meta.seq_lens,
                 meta.block_tables,
-                max_q_len=max(num_rows),
-            )  # [total, vocab], a view of the graph's output: read before the next replay
+                max_q_len=max_q_len,
+            )  # [num_rows, vocab], a view of the graph's output: read before the next replay
             return logits if pick_rows is None else logits[pick_rows]
-        hidden = self.model.forward(
-            ids, self._meta(slots, first_pos, num_rows), self.kv.k, self.kv.v
-        )
+        hidden = self.model.forward(ids, meta, self.kv.k, self.kv.v)
         return self.model.logits(hidden if pick_rows is None else hidden[pick_rows])
 
     def _meta(self, slots: list[int], first_pos: list[int], num_rows: list[int]) -> AttnMetadata:
@@ -267,7 +304,7 @@ class DraftModelDrafter:
         seq_lens = [p + n for p, n in zip(first_pos, num_rows)]
         max_blocks = -(-max(seq_lens) // bs)
         dev = self.device
-        meta = AttnMetadata(
+        return AttnMetadata(
             positions=torch.from_numpy(pos_np).to(dev, non_blocking=True),
             slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
             cu_q_lens=torch.tensor(
@@ -279,36 +316,29 @@ class DraftModelDrafter:
             ).to(dev, non_blocking=True),
             max_q_len=max(num_rows),
         )
-        return meta
 
     def _pick(
         self,
-        logits: torch.Tensor,  # [num_active, vocab] float32, the rows that predict draft j
-        active: list[int],  # request indices of the rows
+        logits: torch.Tensor,  # [n, vocab] float32, the rows that predict draft j
+        req: torch.Tensor,  # [n] request index of each row (device)
+        prow: torch.Tensor,  # [n] first probs row of each row's request (device)
+        temp: torch.Tensor,  # [n] temperature, 0 for greedy (device)
         j: int,
-        temps: list[float],  # per request, 0 for greedy
-        draft_offsets: np.ndarray,  # [num_reqs + 1] first probs row of each request
         draft_tokens: torch.Tensor,  # [num_reqs, max_draft] out
         probs: torch.Tensor | None,  # [sum(num_draft), vocab] out
     ) -> None:
-        dev = self.device
-        tokens = logits.argmax(dim=-1)  # [num_active]
+        """Draft j of every row, on the device: the argmax for greedy rows; a draw from
+        softmax(logits / temperature) for sampled ones, whose distribution goes to `probs`
+        (greedy rows there hold the point mass of their argmax)."""
+        tokens = logits.argmax(dim=-1)  # [n]
         if probs is not None:
-            # index lists are built on the host so that no step waits for the device
-            sampled = [k for k, i in enumerate(active) if temps[i] > 0.0]
-            greedy = [k for k, i in enumerate(active) if temps[i] <= 0.0]
-            rows = [int(draft_offsets[i]) + j for i in active]
-            if sampled:
-                sampled_t = torch.tensor(sampled, dtype=torch.int64, device=dev)
-                temps_t = torch.tensor([temps[active[k]] for k in sampled], device=dev)
-                q = torch.softmax(logits[sampled_t] / temps_t[:, None], dim=-1)  # [n_s, vocab]
-                tokens[sampled_t] = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
-                probs[torch.tensor([rows[k] for k in sampled], device=dev)] = q
-            if greedy:
-                greedy_t = torch.tensor(greedy, dtype=torch.int64, device=dev)
-                greedy_rows = torch.tensor([rows[k] for k in greedy], device=dev)
-                probs[greedy_rows, tokens[greedy_t]] = 1.0  # point mass of the argmax
-        draft_tokens[torch.tensor(active, dtype=torch.int64, device=dev), j] = tokens
+            sampled = temp > 0.0  # [n]
+            q = torch.softmax(logits / temp.clamp_min(1e-5)[:, None], dim=-1)  # [n, vocab]
+            drawn = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
+            tokens = torch.where(sampled, drawn, tokens)
+            point = torch.zeros_like(q).scatter_(1, tokens[:, None], 1.0)
+            probs[prow + j] = torch.where(sampled[:, None], q, point)
+        draft_tokens[req, j] = tokens
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
