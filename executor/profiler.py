@@ -10,8 +10,9 @@ extended):
   several context lengths (slope of round time over KV tokens), so the cost model's KV term
   `kv_tokens * kv_bytes_per_token / rate` is a measurement, not an assumption;
 - `target.rows_kv_ms`: the raw grid (rows, kv tokens per sequence, ms) the two were fitted from;
-- `draft_model.rows_ms_per_step`: one chain step of the draft model (forward + argmax) per row
-  count, when a draft model is loaded;
+- `draft_model.rows_ms_per_step`: one chain step of the draft model as its proposals pay it
+  (host planning, uploads, forward, picking, the copy back) per row count, when a draft model
+  is loaded;
 - `ceilings`: copy bandwidth and bf16 GEMM rate measured on the same device in the same run.
 
 Profiles are cached under `~/.cache/hipfire-serve/profiles/` by a key of the models, device,
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from executor.drafters.base import DraftBatch
-from executor.model import AttnMetadata, Model
+from executor.model import Model
 from executor.round_executor import RoundExecutor
 from scheduler.kv_blocks import BlockPool
 from scheduler.plan import Mode, ReqPlan, RoundPlan, SamplingSpec, SeqSetup
@@ -216,76 +217,52 @@ class RoundTimer:
 
 
 def time_draft_steps(
-    model: Model, rows: tuple[int, ...], repeats: int, graphs: bool = True
+    model: Model,
+    rows: tuple[int, ...],
+    repeats: int,
+    graphs: bool = True,
+    chain: int = 7,
+    context_len: int = 16,
 ) -> list[list[float]]:
-    """One chain step of a draft model: `n` single rows at a short context, forward + logits +
-    argmax, the way `DraftModelDrafter` runs it (a replayed decode graph on a GPU unless
-    `graphs` is False)."""
-    from executor.graphs import DecodeGraphs, bucket_for
-    from executor.kv_cache import KVCache
+    """One chain step of a draft model as the engine pays it: `DraftModelDrafter.propose` for
+    `n` requests drafting `chain` tokens each from a caught-up context (host planning, uploads,
+    step 0 and the chain steps, graph replays on a GPU unless `graphs` is False, the copy of
+    the drafts back), divided by `chain`; median of `repeats` after two warm-up proposals."""
+    from executor.drafters.base import DraftRequest
+    from executor.drafters.draft_model import DraftModelDrafter
 
     block = 16
     max_rows = max(rows)
-    dev = model.device
-    kv = KVCache.allocate(
-        model.config,
-        num_blocks=max_rows * 2 + 1,
+    blocks_each = -(-(context_len + chain + 1) // block)
+    drafter = DraftModelDrafter(
+        model,
+        num_blocks=max_rows * blocks_each + 1,
         block_size=block,
-        dtype=model.dtype,
-        device=dev,
+        max_slots=max_rows,
+        max_model_len=blocks_each * block,
+        graphs="lazy" if graphs else "off",
     )
-    decode_graphs = None
-    if graphs and dev.type == "cuda":
-        decode_graphs = DecodeGraphs(
-            model,
-            kv.k,
-            kv.v,
-            max_seqs=max_rows,
-            max_blocks_per_seq=2,
-            max_rows=bucket_for(max_rows) or max_rows,
-        )
+    table = np.arange(1, max_rows * blocks_each + 1, dtype=np.int32).reshape(max_rows, -1)
+    drafter.bind_block_tables(table)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    contexts = torch.randint(0, vocab, (max_rows, context_len), generator=g).tolist()
     out = []
     for n in rows:
-        positions = torch.full((n,), 8, dtype=torch.int64, device=dev)
-        tables = torch.arange(n * 2, dtype=torch.int32, device=dev).view(n, 2)
-        meta = AttnMetadata(
-            positions=positions,
-            slot_mapping=tables[:, 0].long() * block + 8,
-            cu_q_lens=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.full((n,), 9, dtype=torch.int32, device=dev),
-            block_tables=tables,
-            max_q_len=1,
-        )
-        ids = torch.randint(0, model.config.vocab_size, (n,), device=dev)
-        bucket = bucket_for(n)
-
+        requests = [DraftRequest(slot, contexts[slot], chain) for slot in range(n)]
+        greedy = [True] * n
         times = []
         for i in range(repeats + 2):
-            _sync(dev)
+            _sync(model.device)
             t0 = time.perf_counter()
-            _draft_step(model, decode_graphs, bucket, ids, meta, kv)
-            _sync(dev)
+            # a proposal leaves the slot caught up on its context (the drafts' KV would only
+            # count after a commit), so every timed proposal is step 0 plus the chain
+            drafter.propose(requests, greedy)
+            _sync(model.device)
             if i >= 2:
-                times.append((time.perf_counter() - t0) * 1e3)
+                times.append((time.perf_counter() - t0) * 1e3 / chain)
         out.append([n, round(statistics.median(times), 4)])
     return out
-
-
-def _draft_step(model: Model, decode_graphs, bucket: int, ids, meta: AttnMetadata, kv):
-    """One timed draft chain step: graph replay when one fits the bucket, else eager."""
-    if decode_graphs is not None and 0 < bucket <= decode_graphs.max_rows:
-        logits = decode_graphs.run(
-            bucket,
-            ids,
-            meta.positions,
-            meta.slot_mapping,
-            meta.cu_q_lens,
-            meta.seq_lens,
-            meta.block_tables,
-        )
-    else:
-        logits = model.logits(model.forward(ids, meta, kv.k, kv.v))
-    return logits.argmax(-1)
 
 
 def time_engine_overhead(

@@ -1,0 +1,31 @@
+"""The draft-model step the profile records is the drafter's own proposal cost per chain step."""
+
+from __future__ import annotations
+
+import torch
+
+from executor.profiler import time_draft_steps
+from executor.random_model import random_model
+
+
+def test_draft_step_times_the_drafters_proposals():
+    model = random_model("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    calls = []
+    forward = model.forward
+
+    def counted(ids, meta, k, v):
+        calls.append(len(ids))
+        return forward(ids, meta, k, v)
+
+    model.forward = counted
+    out = time_draft_steps(model, (1, 3), repeats=2, graphs=False, chain=4)
+    assert [n for n, _ in out] == [1, 3]
+    assert all(ms > 0 for _, ms in out)
+    # per proposal: step 0, then 3 chain steps. The first warm-up proposal catches each new
+    # slot up on its 16-token context; every timed proposal (the last two of each row count)
+    # is then one row per request in every step
+    per_proposal = 4
+    assert len(calls) == 2 * 4 * per_proposal  # two row counts x (2 warm-up + 2 timed)
+    first, second = calls[:16], calls[16:]
+    assert first[0] == 16 and second[0] == 1 + 16 + 16  # catch-ups of the new slots
+    assert first[8:] == [1] * 8 and second[8:] == [3] * 8
