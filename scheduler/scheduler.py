@@ -222,7 +222,8 @@ class Scheduler:
         self._last_raw_ms = 0.0
         self._last_extra_tokens = 0.0
         self._last_reason = ""
-        # (slots, req ids, drafts, reason) decided ahead for the next round (prepare_decision)
+        # (slots, req ids, drafts, reason, expected extra tokens) decided ahead for the next
+        # round (prepare_decision)
         self._prepared: tuple | None = None
         # Rounds whose acceptance outcomes the estimator has not taken in yet, oldest first:
         # None (decay only) or (slots, drafted, accepted). update() only records them; they are
@@ -565,10 +566,11 @@ class Scheduler:
     def _row_bucket(self, num_rows: int, prefills) -> int:
         """Graph bucket of a decode-only round; prefill rounds and rows past the largest bucket
         run eagerly (0)."""
-        buckets = self.cost_model.profile.row_buckets
+        profile = self.cost_model.profile
+        buckets = profile.row_buckets
         if prefills or num_rows == 0 or num_rows > buckets[-1]:
             return 0
-        return int(self.cost_model.profile.bucket(num_rows))
+        return int(buckets[profile.bucket_index_list[num_rows]])  # (a scalar table lookup)
 
     def _decide(self, slots: np.ndarray, prefills) -> np.ndarray:
         n = len(slots)
@@ -583,8 +585,15 @@ class Scheduler:
             prepared is not None
             and not prefills
             and not self._cohort_changed
-            and np.array_equal(prepared[0], slots)
-            and np.array_equal(prepared[1], self._slot_req_id[slots])
+            # the decoding-slot array is rebuilt (a new object) whenever the decoding set
+            # changes, so the same object means the same requests
+            and (
+                prepared[0] is slots
+                or (
+                    np.array_equal(prepared[0], slots)
+                    and np.array_equal(prepared[1], self._slot_req_id[slots])
+                )
+            )
         ):
             # Decided ahead (prepare_decision) for exactly these requests: only what changed
             # since is checked (a request with fewer tokens left cannot use as many drafts).
@@ -594,10 +603,12 @@ class Scheduler:
             )
             num_draft = np.minimum(prepared[2], np.maximum(caps, 0))
             self._last_reason = prepared[3] + " (ahead)"
+            extra = prepared[4] if np.array_equal(num_draft, prepared[2]) else None
             ar_ms = self.cost_model.predict_ms_scalar(
                 n, int(self._num_computed[slots].sum()) + n, 0, 0, 0, 0
             )
         else:
+            extra = None
             self._flush_observations()
             view, ar_ms = self._policy_view(slots, prefills, self._round_id)
             decision = self.policy.decide(view, self.estimator, self.cost_model)
@@ -607,12 +618,18 @@ class Scheduler:
         # the round, drafts ride on an expensive eager forward and the uplift over AR is far
         # above what decode rounds can reach.
         self._round_ar_rate = 0.0 if prefills else n / ar_ms
-        if num_draft.any():
-            # expected extra tokens by the estimators, whatever policy chose the depths
-            survival = self.estimator.survival(slots)[:, : cfg.max_drafts]  # [n, D]
-            taken = np.arange(cfg.max_drafts)[None, :] < num_draft[:, None]
-            self._last_extra_tokens = float((survival * taken).sum())
+        if extra is not None:
+            self._last_extra_tokens = extra
+        elif num_draft.any():
+            self._last_extra_tokens = self._expected_extra_tokens(slots, num_draft)
         return num_draft
+
+    def _expected_extra_tokens(self, slots: np.ndarray, num_draft: np.ndarray) -> float:
+        """Accepted drafts the estimators expect of these depths, whatever policy chose them."""
+        d = self.config.max_drafts
+        survival = self.estimator.survival(slots)[:, :d]  # [n, D]
+        taken = np.arange(d)[None, :] < num_draft[:, None]
+        return float((survival * taken).sum())
 
     def _policy_view(self, slots: np.ndarray, prefills, round_id: int):
         """The policy's view of a round that decodes `slots` next to `prefills` (chunks), and
@@ -689,12 +706,10 @@ class Scheduler:
             return
         view, _ = self._policy_view(slots, (), self._round_id + 1)
         decision = self.policy.decide(view, self.estimator, self.cost_model)
-        self._prepared = (
-            slots.copy(),
-            view.req_ids.copy(),
-            np.asarray(decision.num_draft, dtype=np.int64),
-            decision.reason,
-        )
+        num_draft = np.asarray(decision.num_draft, dtype=np.int64)
+        extra = self._expected_extra_tokens(slots, num_draft) if num_draft.any() else 0.0
+        # the slot array itself is kept (never mutated: replaced when the set changes)
+        self._prepared = (slots, view.req_ids.copy(), num_draft, decision.reason, extra)
 
     def _build_decode(self, slots: np.ndarray, num_draft: np.ndarray):
         """Allocates the drafts' KV blocks and builds the decode columns of the plan."""
