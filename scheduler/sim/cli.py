@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--noise", type=float, default=0.03, help="log-normal sigma of measured round times"
     )
+    p.add_argument(
+        "--decide-ahead",
+        action="store_true",
+        help="decide each next round while the current one runs, as the engine's loop does",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0, help="processes; 0: one per CPU")
     p.add_argument("--out", default="", help="write the results JSON here")
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             arrival_rate=args.rate,
             noise_sigma=args.noise,
             num_workers=args.workers,
+            decide_ahead=args.decide_ahead,
         )
     except (OSError, ValueError, KeyError) as exc:
         print(f"simulate: {exc}", file=sys.stderr)

@@ -53,6 +53,7 @@ def run_grid(
     arrival_rate: float = 0.0,
     noise_sigma: float = 0.03,
     num_workers: int = 0,
+    decide_ahead: bool = False,
 ) -> list[dict]:
     known = load_cohorts(acceptance_path)
     for cohort in cohorts:
@@ -69,6 +70,7 @@ def run_grid(
                 spec_depth=spec_depth,
                 seed=seed,
                 noise_sigma=noise_sigma,
+                decide_ahead=decide_ahead,
             ),
             Workload(
                 kind=workload,
