@@ -9,6 +9,8 @@ always, and a pool with no requests has every block free again.
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 
 class KVCapacityError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free (nothing is changed)."""
@@ -29,7 +31,9 @@ class BlockPool:
         self.block_size = block_size
         # LIFO free list: recently freed blocks are reused first (warm in the device caches).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._held: dict[int, list[int]] = {}  # req_id -> block ids in table order
+        # req_id -> block ids in table order; a missing request reads as an empty table, so the
+        # batched allocation appends without a lookup-or-create per request.
+        self._held: defaultdict[int, list[int]] = defaultdict(list)
 
     @property
     def num_free(self) -> int:
@@ -48,7 +52,8 @@ class BlockPool:
     def tables(self) -> dict[int, list[int]]:
         """req_id -> its block ids in table order, the pool's own lists: for read-only lookups
         in per-request hot loops (one dict access instead of a method call); change blocks only
-        through the methods below."""
+        through the methods below. Look up only requests that hold blocks: indexing a missing
+        one adds an empty table."""
         return self._held
 
     def blocks_of(self, req_id: int) -> tuple[int, ...]:
@@ -74,7 +79,7 @@ class BlockPool:
             raise KVCapacityError(
                 f"request {req_id} needs {num_blocks} KV blocks, {len(self._free)} free"
             )
-        held = self._held.setdefault(req_id, [])
+        held = self._held[req_id]
         if num_blocks == 0:
             return ()
         new_ids = self._free[-num_blocks:]
@@ -98,9 +103,14 @@ class BlockPool:
         del self._free[-total:]
         new_ids.reverse()
         held = self._held
+        if total == len(req_ids) and 0 not in counts:
+            # every count is 1 (decode rows: one block per request): no slicing per request
+            for req_id, block in zip(req_ids, new_ids):
+                held[req_id].append(block)
+            return new_ids
         start = 0
         for req_id, num in zip(req_ids, counts):
-            held.setdefault(req_id, []).extend(new_ids[start : start + num])
+            held[req_id].extend(new_ids[start : start + num])
             start += num
         return new_ids
 

@@ -776,20 +776,20 @@ class Scheduler:
         block, else gathered from the pool's tables."""
         ar = self._ar_blocks
         if ar is not None:
-            counts = np.zeros(len(req_ids), dtype=np.int64)
-            counts[ar[0]] = 1
-            if draft_blocks is not None:
-                counts[draft_blocks[0]] += draft_blocks[1]
-            if np.array_equal(counts, block_counts):
-                starts = np.cumsum(counts) - counts  # [n]
-                new_ids = np.empty(int(counts.sum()), dtype=np.int64)
-                new_ids[starts[ar[0]]] = ar[1]
-                if draft_blocks is not None:
-                    take, need, ids = draft_blocks
-                    first = starts[take] + (counts[take] - need)  # after the AR row's block
-                    within = np.arange(int(need.sum())) - np.repeat(np.cumsum(need) - need, need)
-                    new_ids[np.repeat(first, need) + within] = ids
-                return new_ids
+            ar_idx, ar_ids = ar
+            num_drafts = len(draft_blocks[2]) if draft_blocks is not None else 0
+            # Every request already held the blocks of its committed tokens, so it has at least
+            # as many new blocks as this round allocated for it: equal totals, equal counts.
+            if len(ar_ids) + num_drafts == int(block_counts.sum()):
+                if not num_drafts:
+                    return ar_ids  # already in request order
+                take, need, draft_ids = draft_blocks
+                # request i's AR block (key 2i) goes before its drafts' blocks (key 2i + 1)
+                draft_keys = take * 2 + 1  # [len(take)]
+                if num_drafts != len(take):
+                    draft_keys = np.repeat(draft_keys, need)  # [num_drafts]
+                order = np.argsort(np.concatenate((ar_idx * 2, draft_keys)), kind="stable")
+                return np.array(ar_ids + draft_ids, dtype=np.int64)[order]
         new_ids: list[int] = []
         tables = self.kv.tables
         for i in np.flatnonzero(block_counts).tolist():

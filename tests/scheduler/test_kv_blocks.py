@@ -68,3 +68,28 @@ def test_random_operations_keep_exact_accounting(ops):
     for req_id in range(6):
         pool.free(req_id)
     assert pool.num_free == pool.num_total
+
+
+@given(
+    held_before=st.lists(st.integers(0, 3), min_size=6, max_size=6),
+    batch=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 3)), max_size=12),
+    all_ones=st.booleans(),
+)
+def test_allocate_many_hands_out_what_one_by_one_allocation_would(held_before, batch, all_ones):
+    """The batched allocation (and its one-block-per-request fast path) equals calling
+    allocate() for each request in order: same ids, same tables."""
+    if all_ones:
+        batch = [(req_id, 1) for req_id, _ in batch]
+    pools = [BlockPool(num_blocks=64, block_size=4) for _ in range(2)]
+    for pool in pools:
+        for req_id, num in enumerate(held_before):
+            pool.allocate(req_id, num)
+    req_ids = [req_id for req_id, _ in batch]
+    counts = [num for _, num in batch]
+    batched = pools[0].allocate_many(req_ids, counts)
+    one_by_one = [b for req_id, num in batch for b in pools[1].allocate(req_id, num)]
+    assert batched == one_by_one
+    assert pools[0].num_free == pools[1].num_free
+    for req_id in range(8):
+        assert pools[0].blocks_of(req_id) == pools[1].blocks_of(req_id)
+    pools[0].check()

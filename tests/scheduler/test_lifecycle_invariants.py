@@ -143,6 +143,8 @@ def test_random_workload_accounting(
             held = sched.kv.num_blocks_of(q.req_id)
             assert held * BLOCK_SIZE >= q.num_computed + q.num_new  # every written row has KV
             assert q.block_offset + len(q.new_block_ids) == held
+            # the plan's ids (from the round's batched allocations) are the table's tail
+            assert q.new_block_ids == sched.kv.blocks_from(q.req_id, q.block_offset)
             if q.mode == Mode.SPEC:
                 assert has_drafter and spec_mode != "ar"
                 assert 1 <= q.num_draft <= spec_depth - 1
