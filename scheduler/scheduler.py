@@ -222,8 +222,8 @@ class Scheduler:
         self._last_raw_ms = 0.0
         self._last_extra_tokens = 0.0
         self._last_reason = ""
-        # (slots, req ids, drafts, reason, expected extra tokens) decided ahead for the next
-        # round (prepare_decision)
+        # (slots, req ids, drafts, reason, expected extra tokens, drafts within the static
+        # caps) decided ahead for the next round (prepare_decision)
         self._prepared: tuple | None = None
         # Rounds whose acceptance outcomes the estimator has not taken in yet, oldest first:
         # None (decay only) or (slots, drafted, accepted). update() only records them; they are
@@ -535,9 +535,7 @@ class Scheduler:
             self._last_raw_ms = cm.raw_ms_scalar(
                 total_rows, kv_tokens, d_max, num_spec, lag, num_prefill_rows
             )
-            predicted_ms = cm.predict_ms_scalar(
-                total_rows, kv_tokens, d_max, num_spec, lag, num_prefill_rows
-            )
+            predicted_ms = cm.correct_ms_scalar(self._last_raw_ms, total_rows, d_max > 0)
         predicted_tokens = float(len(slots)) + float(
             sum(1 for r, c in prefills if r.num_computed + c == r.num_prefill_target)
         )
@@ -598,14 +596,21 @@ class Scheduler:
             # Decided ahead (prepare_decision) for exactly these requests: only what changed
             # since is checked (a request with fewer tokens left cannot use as many drafts).
             remaining = self._remaining[slots]
-            caps = np.where(
-                self._spec_code[slots] > 0, np.minimum(remaining - 1, cfg.max_drafts), 0
-            )
-            num_draft = np.minimum(prepared[2], np.maximum(caps, 0))
+            ahead = prepared[2]
+            if prepared[5] and (remaining > ahead).all():
+                # within the static caps and every request has a token left past its drafts:
+                # the caps below would change nothing
+                num_draft = ahead
+                extra = prepared[4]
+            else:
+                caps = np.where(
+                    self._spec_code[slots] > 0, np.minimum(remaining - 1, cfg.max_drafts), 0
+                )
+                num_draft = np.minimum(ahead, np.maximum(caps, 0))
+                extra = prepared[4] if np.array_equal(num_draft, ahead) else None
             self._last_reason = prepared[3] + " (ahead)"
-            extra = prepared[4] if np.array_equal(num_draft, prepared[2]) else None
-            ar_ms = self.cost_model.predict_ms_scalar(
-                n, int(self._num_computed[slots].sum()) + n, 0, 0, 0, 0
+            ar_ms = self.cost_model.predict_ar_ms_scalar(
+                n, int(self._num_computed[slots].sum()) + n
             )
         else:
             extra = None
@@ -706,10 +711,27 @@ class Scheduler:
             return
         view, _ = self._policy_view(slots, (), self._round_id + 1)
         decision = self.policy.decide(view, self.estimator, self.cost_model)
-        num_draft = np.asarray(decision.num_draft, dtype=np.int64)
+        # a copy: plan() may hand this very array on (read-only) as the round's depths
+        num_draft = np.array(decision.num_draft, dtype=np.int64)
         extra = self._expected_extra_tokens(slots, num_draft) if num_draft.any() else 0.0
+        # Every depth within the caps that cannot change before the plan (drafts allowed,
+        # max_drafts): plan() then only checks the tokens each request has left.
+        within_caps = bool(
+            (
+                (num_draft >= 0)
+                & (num_draft <= self.config.max_drafts)
+                & (view.may_spec | (num_draft == 0))
+            ).all()
+        )
         # the slot array itself is kept (never mutated: replaced when the set changes)
-        self._prepared = (slots, view.req_ids.copy(), num_draft, decision.reason, extra)
+        self._prepared = (
+            slots,
+            view.req_ids.copy(),
+            num_draft,
+            decision.reason,
+            extra,
+            within_caps,
+        )
 
     def _build_decode(self, slots: np.ndarray, num_draft: np.ndarray):
         """Allocates the drafts' KV blocks and builds the decode columns of the plan."""

@@ -5,8 +5,12 @@ resources exactly as a plain run does."""
 from __future__ import annotations
 
 import msgspec
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler.cost_model import CostModel
+from scheduler.policy import Decision
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sim.acceptance_model import AcceptanceClass
 from scheduler.sim.executor import SimExecutor
@@ -61,3 +65,51 @@ def test_decision_ahead_changes_no_output():
     plain, _, _ = run(ahead=False)
     assert with_ahead == plain  # the simulator's tokens are a function of (request, index)
     assert all(len(v) == 20 + 7 * k for k, v in sorted(plain.items()))
+
+
+class _GreedyPolicy:
+    """Asks for more drafts than allowed (even of requests that opt out, or one token from
+    max_tokens), so only the caps plan() applies to a decision made ahead keep it valid."""
+
+    name = "greedy"
+
+    def __init__(self, depths):
+        self.depths = depths
+
+    def decide(self, view, estimator, cost_model):
+        n = len(view.slots)
+        return Decision(np.array([self.depths[i % len(self.depths)] for i in range(n)]), "fixed")
+
+
+@given(
+    depths=st.lists(st.integers(0, 10), min_size=1, max_size=4),
+    max_tokens=st.lists(st.integers(8, 30), min_size=4, max_size=4),
+    off=st.lists(st.booleans(), min_size=4, max_size=4),
+)
+@settings(max_examples=30, deadline=None)
+def test_a_decision_ahead_is_capped_like_a_plain_one(depths, max_tokens, off):
+    """Rounds decided ahead keep every depth within max_drafts, zero for requests that opt
+    out, and below the tokens each request has left at plan time."""
+    cfg = SchedulerConfig(max_concurrency=4, spec_mode="adaptive", spec_depth=6)
+    sched = Scheduler(cfg, 400, CostModel(PROFILE), policy=_GreedyPolicy(depths))
+    ex = SimExecutor(PROFILE, MIXED, 4, seed=0)
+    for i, spec in enumerate(specs(4)):
+        speculation = "off" if off[i] else "auto"
+        sched.add_request(
+            msgspec.structs.replace(spec, max_tokens=max_tokens[i], speculation=speculation)
+        )
+    emitted = dict.fromkeys(range(4), 0)
+    num_ahead = 0
+    while sched.has_work():
+        plan = sched.plan(0.0)
+        if plan.reason.endswith("(ahead)"):
+            num_ahead += 1
+            dec = plan.decode
+            for req_id, num_draft in zip(dec.req_ids.tolist(), dec.num_draft.tolist()):
+                assert num_draft <= cfg.max_drafts
+                assert num_draft == 0 or not off[req_id]
+                assert num_draft <= max_tokens[req_id] - emitted[req_id] - 1
+        sched.prepare_decision()
+        for d in sched.update(ex.run(plan), 0.0):
+            emitted[d.req_id] += len(d.token_ids)
+    assert num_ahead > 0
