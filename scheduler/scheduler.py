@@ -54,6 +54,8 @@ StopChecker = Callable[[int, Sequence[int]], "tuple[int, str] | None"]
 
 
 _SPECULATION_CODE = {"off": 0, "auto": 1, "on": 2}
+# a decode request's route letter from its speculating flag (a bool array's bytes)
+_ROUTE_LETTERS = bytes.maketrans(b"\x00\x01", b"AS")
 
 
 class _DeltaColumns:
@@ -742,14 +744,15 @@ class Scheduler:
         bs = kv.block_size
         num_computed = self._num_computed[slots]  # [n]
         d = num_draft
+        d_max = int(d.max())
+        spec = d > 0
         draft_blocks: tuple[np.ndarray, np.ndarray, list[int]] | None = None
-        if d.any():
+        if d_max > 0:
             # Every request needs at most ceil(d / bs) + 1 new blocks; when the pool holds that
             # for everyone, no request can run short (the common case: one batched allocation).
-            if n * (-(-int(d.max()) // bs) + 1) <= kv.num_free:
+            if n * (-(-d_max // bs) + 1) <= kv.num_free:
                 need = -(-(num_computed + 1 + d) // bs) - self._num_blocks[slots]
-                need = np.where(d > 0, need, 0)
-                take = np.flatnonzero(need > 0)
+                take = np.flatnonzero((need > 0) & spec)
                 if len(take):
                     draft_blocks = (take, need[take], self._allocate_many(slots[take], need[take]))
             else:
@@ -767,8 +770,9 @@ class Scheduler:
                     if need > 0 and di > 0:
                         self._allocate_many(slots[i : i + 1], np.array([need], dtype=np.int64))
                     d[i] = di
-        spec = d > 0
-        mode = np.where(spec, int(Mode.SPEC), int(Mode.AR))
+                d_max = int(d.max())
+                spec = d > 0
+        mode = spec + int(Mode.AR)  # [n] AR or SPEC (Mode.SPEC == Mode.AR + 1)
         last_mode = self._last_mode[slots]
         changed = mode != last_mode
         if changed.any():
@@ -786,11 +790,11 @@ class Scheduler:
         decode = DecodeRows.build(
             req_ids, slots, num_computed, d, block_offset, block_counts, new_ids
         )
-        route = np.where(spec, ord("S"), ord("A")).astype(np.uint8).tobytes().decode()
+        route = spec.tobytes().translate(_ROUTE_LETTERS).decode()
         total_rows = n + int(d.sum())
         kv_tokens = int(num_computed.sum()) + total_rows
-        lag = int(self._drafter_lag[slots][spec].sum())
-        return decode, route, total_rows, kv_tokens, int(d.max()), lag
+        lag = int(self._drafter_lag[slots] @ spec)  # drafter lag of the speculating requests
+        return decode, route, total_rows, kv_tokens, d_max, lag
 
     def _new_block_ids(self, req_ids, block_offset, block_counts, draft_blocks):
         """Flat new block ids of the decode rows in request order: from this round's batched
