@@ -102,16 +102,32 @@ class BlockPool:
         new_ids = self._free[-total:]
         del self._free[-total:]
         new_ids.reverse()
-        held = self._held
         if total == len(req_ids) and 0 not in counts:
-            # every count is 1 (decode rows: one block per request): no slicing per request
-            for req_id, block in zip(req_ids, new_ids):
-                held[req_id].append(block)
-            return new_ids
+            return self._hand_out_one_each(req_ids, new_ids)  # every count is 1
+        held = self._held
         start = 0
         for req_id, num in zip(req_ids, counts):
             held[req_id].extend(new_ids[start : start + num])
             start += num
+        return new_ids
+
+    def allocate_one_each(self, req_ids: list[int]) -> list[int]:
+        """`allocate_many(req_ids, [1] * len(req_ids))`: one block per request (the decode
+        rows' common case), without the per-request counts."""
+        num = len(req_ids)
+        if num > len(self._free):
+            raise KVCapacityError(f"{num} requests need {num} KV blocks, {len(self._free)} free")
+        if num == 0:
+            return []
+        new_ids = self._free[-num:]
+        del self._free[-num:]
+        new_ids.reverse()
+        return self._hand_out_one_each(req_ids, new_ids)
+
+    def _hand_out_one_each(self, req_ids: list[int], new_ids: list[int]) -> list[int]:
+        held = self._held
+        for req_id, block in zip(req_ids, new_ids):  # no slicing per request
+            held[req_id].append(block)
         return new_ids
 
     def extend_to(self, req_id: int, num_tokens: int) -> tuple[int, ...]:

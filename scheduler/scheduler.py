@@ -457,6 +457,11 @@ class Scheduler:
             self._dec_dirty = False
         return self._dec_slots
 
+    def _allocate_one_each(self, slots: np.ndarray) -> list[int]:
+        new_ids = self.kv.allocate_one_each(self._slot_req_id[slots].tolist())
+        self._num_blocks[slots] += 1
+        return new_ids
+
     def _allocate_many(self, slots: np.ndarray, counts: np.ndarray) -> list[int]:
         new_ids = self.kv.allocate_many(self._slot_req_id[slots].tolist(), counts.tolist())
         self._num_blocks[slots] += counts
@@ -505,7 +510,7 @@ class Scheduler:
             # the block of the AR row's position is usually held already
             lacking = np.flatnonzero(self._num_computed[slots] >= self._num_blocks[slots] * bs)
             if len(lacking) and len(lacking) <= self.kv.num_free:
-                ar_ids = self._allocate_many(slots[lacking], np.ones(len(lacking), dtype=np.int64))
+                ar_ids = self._allocate_one_each(slots[lacking])
                 self._ar_blocks = (lacking, ar_ids)
             elif len(lacking):
                 self._ar_blocks = None  # the per-request path: new ids gathered from the tables
@@ -751,7 +756,8 @@ class Scheduler:
             # Every request needs at most ceil(d / bs) + 1 new blocks; when the pool holds that
             # for everyone, no request can run short (the common case: one batched allocation).
             if n * (-(-d_max // bs) + 1) <= kv.num_free:
-                need = -(-(num_computed + 1 + d) // bs) - self._num_blocks[slots]
+                # blocks to cover rows up to position num_computed + d: ceil((nc + d + 1) / bs)
+                need = (num_computed + d) // bs + 1 - self._num_blocks[slots]
                 take = np.flatnonzero((need > 0) & spec)
                 if len(take):
                     draft_blocks = (take, need[take], self._allocate_many(slots[take], need[take]))
@@ -783,7 +789,7 @@ class Scheduler:
             self._mode_since[moved] = self._round_id
         # The table is exactly ceil(num_computed / bs) long after update(); every block past
         # that was allocated for this round (AR row above, drafts here).
-        block_offset = -(-num_computed // bs)
+        block_offset = (num_computed + (bs - 1)) // bs  # ceil(num_computed / bs)
         block_counts = np.maximum(self._num_blocks[slots] - block_offset, 0)
         req_ids = self._slot_req_id[slots]
         new_ids = self._new_block_ids(req_ids, block_offset, block_counts, draft_blocks)

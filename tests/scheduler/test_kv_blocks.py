@@ -76,11 +76,11 @@ def test_random_operations_keep_exact_accounting(ops):
     all_ones=st.booleans(),
 )
 def test_allocate_many_hands_out_what_one_by_one_allocation_would(held_before, batch, all_ones):
-    """The batched allocation (and its one-block-per-request fast path) equals calling
+    """The batched allocation (and its one-block-per-request fast paths) equals calling
     allocate() for each request in order: same ids, same tables."""
     if all_ones:
         batch = [(req_id, 1) for req_id, _ in batch]
-    pools = [BlockPool(num_blocks=64, block_size=4) for _ in range(2)]
+    pools = [BlockPool(num_blocks=64, block_size=4) for _ in range(3)]
     for pool in pools:
         for req_id, num in enumerate(held_before):
             pool.allocate(req_id, num)
@@ -89,7 +89,22 @@ def test_allocate_many_hands_out_what_one_by_one_allocation_would(held_before, b
     batched = pools[0].allocate_many(req_ids, counts)
     one_by_one = [b for req_id, num in batch for b in pools[1].allocate(req_id, num)]
     assert batched == one_by_one
-    assert pools[0].num_free == pools[1].num_free
-    for req_id in range(8):
-        assert pools[0].blocks_of(req_id) == pools[1].blocks_of(req_id)
-    pools[0].check()
+    if all_ones:
+        assert pools[2].allocate_one_each(req_ids) == one_by_one
+    else:
+        pools[2].allocate_many(req_ids, counts)
+    for pool in (pools[0], pools[2]):
+        assert pool.num_free == pools[1].num_free
+        for req_id in range(8):
+            assert pool.blocks_of(req_id) == pools[1].blocks_of(req_id)
+        pool.check()
+
+
+def test_one_each_allocation_past_the_free_blocks_changes_nothing():
+    pool = BlockPool(num_blocks=3, block_size=4)
+    pool.allocate(0, 2)
+    with pytest.raises(KVCapacityError):
+        pool.allocate_one_each([0, 1])
+    assert pool.num_free == 1 and pool.blocks_of(1) == ()
+    assert pool.allocate_one_each([]) == []
+    pool.check()
