@@ -760,7 +760,8 @@ class Scheduler:
                 need = (num_computed + d) // bs + 1 - self._num_blocks[slots]
                 take = np.flatnonzero((need > 0) & spec)
                 if len(take):
-                    draft_blocks = (take, need[take], self._allocate_many(slots[take], need[take]))
+                    need = need[take]  # [len(take)]
+                    draft_blocks = (take, need, self._allocate_many(slots[take], need))
             else:
                 self._ar_blocks = None
                 d = d.copy()
