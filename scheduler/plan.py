@@ -52,12 +52,12 @@ def frozen_array(values, dtype=np.int64) -> np.ndarray:
     return arr
 
 
+_ZERO = np.zeros(1, dtype=np.int64)  # [1] the first start of `offsets`
+
+
 def offsets(counts: np.ndarray) -> np.ndarray:
     """[n] counts -> [n + 1] int64 starts: item i spans [starts[i], starts[i + 1])."""
     return np.concatenate((_ZERO, np.asarray(counts, dtype=np.int64))).cumsum()
-
-
-_ZERO = np.zeros(1, dtype=np.int64)  # [1] the first start of `offsets`
 
 
 class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
