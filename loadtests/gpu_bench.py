@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     targets = report.check_targets(comparisons, summary, roofline, idle)
     config = dataclasses.asdict(cfg)
     config["points"] = cfg.points()
+    root = PROFILES.parents[1]
+    if Path(cfg.acceptance).resolve().is_relative_to(root):  # no machine paths in the record
+        config["acceptance"] = str(Path(cfg.acceptance).resolve().relative_to(root))
     record = {
         "device": dev_name,
         "date": time.strftime("%Y-%m-%d"),

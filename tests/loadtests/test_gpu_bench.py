@@ -270,6 +270,8 @@ def test_quick_run_writes_every_output(quick_record):
     assert record["profile"]["target"]["rows_kv_ms"]
     assert len(record["roofline"]) == len(record["profile"]["target"]["rows_kv_ms"])
     assert record["skipped"] == []
+    # the record names the repo's acceptance models by their path in the repo
+    assert record["config"]["acceptance"] == "scheduler/profiles/acceptance.json"
 
 
 def test_quick_runs_recompute_from_their_steps(quick_record):
