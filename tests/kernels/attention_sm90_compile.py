@@ -17,13 +17,11 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from kernels import arch
 from kernels.attention import _next_pow2, _verify_attention_kernel, plan_launch, programs_per_sm
+from tests.kernels.sm90 import TARGET, ast_source
 
-_TARGET = GPUTarget("cuda", 90, 32)
 _NUM_SMS = 132  # H100 SXM / H200
 _REGS_PER_SM = 65536
 _SHARED_PER_SM = 228 * 1024  # of which each resident block reserves 1 KB
@@ -42,29 +40,20 @@ SHAPES = (
 )
 
 
-def _source(consts: dict) -> ASTSource:
-    fn = _verify_attention_kernel
-    signature, attrs = {}, {}
-    for index, name in enumerate(fn.arg_names):
-        if name in consts:
-            signature[name] = "constexpr"
-            continue
-        if name.startswith("part_"):
-            signature[name] = "*fp32"
-        elif name in _INT_PTRS:
-            signature[name] = "*i32"
-        elif name.endswith("_ptr"):
-            signature[name] = "*bf16"
-        elif name == "scale_log2":
-            signature[name] = "fp32"
-            continue
-        else:
-            signature[name] = "i32"
-        # What the launcher specialises for the benchmark's tensors: 16-byte aligned pointers,
-        # strides and sizes that are multiples of 16.
-        attrs[(index,)] = [["tt.divisibility", 16]]
-    constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+def _arg_type(name: str) -> str:
+    if name.startswith("part_"):
+        return "*fp32"
+    if name in _INT_PTRS:
+        return "*i32"
+    if name.endswith("_ptr"):
+        return "*bf16"
+    return "fp32" if name == "scale_log2" else "i32"
+
+
+def _aligned(name: str) -> bool:
+    # what the launcher specialises for the benchmark's tensors: 16-byte aligned pointers,
+    # strides and sizes that are multiples of 16 (the float scale is not specialised)
+    return name != "scale_log2"
 
 
 def _registers(cubin: bytes) -> int:
@@ -105,7 +94,11 @@ def main() -> int:
             options["maxnreg"] = launch.max_regs
         name = f"b{batch} ctx{ctx} r{rows} gqa{gqa} {launch}"
         try:
-            kernel = triton.compile(_source(consts), target=_TARGET, options=options)
+            kernel = triton.compile(
+                ast_source(_verify_attention_kernel, consts, _arg_type, _aligned),
+                target=TARGET,
+                options=options,
+            )
         except Exception as exc:
             print(f"FAIL {name}: {type(exc).__name__}: {exc}")
             return 1

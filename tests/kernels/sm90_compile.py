@@ -1,7 +1,5 @@
-"""Compiles the fused q/k kernel for an H100/H200 (sm_90) on a machine without a GPU: Triton's
-frontend, its LLVM passes and the bundled ptxas. The interpreter runs kernels as Python and never
-sees what only the compiler rejects (types that differ between the arms of an `if`, layouts,
-register limits), so this is the CPU check that every variant the model can launch builds.
+"""Compiles the fused q/k kernel for an H100/H200 (sm_90) on a machine without a GPU
+(`tests/kernels/sm90.py`): the CPU check that every variant the model can launch builds.
 
 Run as `python -m tests.kernels.sm90_compile` without TRITON_INTERPRET (the kernels must be
 `JITFunction`s); prints one line per variant and exits 1 on the first failure.
@@ -12,33 +10,24 @@ from __future__ import annotations
 import sys
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from kernels.fused_qk import _qk_norm_rope_kv_kernel
+from tests.kernels.sm90 import TARGET, ast_source
 
-_TARGET = GPUTarget("cuda", 90, 32)
 _NUM_WARPS = 8  # the Hopper entry's row_warps
 
 
-def _source(dtype: str, consts: dict) -> ASTSource:
-    fn = _qk_norm_rope_kv_kernel
-    signature = {}
-    for name in fn.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in ("pos_ptr", "slot_ptr"):
-            signature[name] = "*i64"
-        elif name == "cos_sin_ptr":
-            signature[name] = "*fp32"
-        elif name.endswith("_ptr"):
-            signature[name] = f"*{dtype}"
-        elif name == "eps":
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+def _arg_type(dtype: str):
+    def arg_type(name: str) -> str:
+        if name in ("pos_ptr", "slot_ptr"):
+            return "*i64"
+        if name == "cos_sin_ptr":
+            return "*fp32"
+        if name.endswith("_ptr"):
+            return f"*{dtype}"
+        return "fp32" if name == "eps" else "i32"
+
+    return arg_type
 
 
 def variants():
@@ -60,7 +49,9 @@ def main() -> int:
         consts = {"PAGE_SIZE": 16, "HEAD_DIM": 128, "D_PAD": 128, **consts}
         try:
             kernel = triton.compile(
-                _source(dtype, consts), target=_TARGET, options={"num_warps": _NUM_WARPS}
+                ast_source(_qk_norm_rope_kv_kernel, consts, _arg_type(dtype)),
+                target=TARGET,
+                options={"num_warps": _NUM_WARPS},
             )
         except Exception as exc:
             print(f"FAIL {dtype} {consts}: {type(exc).__name__}: {exc}")

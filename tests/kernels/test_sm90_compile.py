@@ -1,4 +1,6 @@
-"""The fused q/k kernel builds for sm_90 without a GPU (see `tests/kernels/sm90_compile.py`)."""
+"""The kernels build for sm_90 without a GPU (`tests/kernels/sm90.py`): every variant of the
+fused q/k kernel (`sm90_compile.py`), and the Hopper entry's verify-attention launches, which
+must also fit as many programs per SM as the split rule counts (`attention_sm90_compile.py`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.kernels.attention_sm90_compile import SHAPES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,13 +25,18 @@ def _nvidia_backend_available() -> bool:
     return "nvidia" in backends
 
 
-@pytest.mark.skipif(not _nvidia_backend_available(), reason="Triton without its NVIDIA backend")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real")
-def test_fused_qk_kernel_compiles_for_sm90():
+pytestmark = [
+    pytest.mark.skipif(not _nvidia_backend_available(), reason="Triton without its NVIDIA backend"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real"),
+]
+
+
+def _compile_check(module: str) -> str:
+    """Runs a compile-check module in a fresh interpreter (no TRITON_INTERPRET); its stdout."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the GPU default; silences the 3.9 notice
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.sm90_compile"],
+        [sys.executable, "-m", module],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -35,4 +44,12 @@ def test_fused_qk_kernel_compiles_for_sm90():
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("ok ") == 11, proc.stdout
+    return proc.stdout
+
+
+def test_fused_qk_kernel_compiles_for_sm90():
+    assert _compile_check("tests.kernels.sm90_compile").count("ok ") == 11
+
+
+def test_hopper_attention_launches_compile_and_fit_their_programs_per_sm():
+    assert _compile_check("tests.kernels.attention_sm90_compile").count("ok ") == len(SHAPES)
