@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from kernels.attention import verify_attention, verify_attention_ref
+
+# tolerance of the kernel against the fp32 reference, by the batch's dtype
+ATTENTION_TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 
 
 def ragged_batch(
@@ -49,3 +56,19 @@ def ragged_batch(
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check_attention(batch, *, pad_rows: int = 0, **kwargs) -> torch.Tensor:
+    """Runs `verify_attention` on a `ragged_batch` into a NaN-poisoned output (every element must
+    be written) and checks it against the fp32 reference; graph-padding rows must come out zero.
+    Returns the output."""
+    q = batch[0]
+    scale = 1 / math.sqrt(q.shape[-1])
+    out = torch.full_like(q, float("nan"))
+    verify_attention(*batch, scale, out, **kwargs)
+    ref = verify_attention_ref(*[t.float() if t.is_floating_point() else t for t in batch], scale)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < ATTENTION_TOL[q.dtype]
+    if pad_rows:
+        assert (out[-pad_rows:] == 0).all()
+    return out

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,25 +11,10 @@ from kernels.attention import (
     choose_num_splits,
     choose_rows_per_tile,
     verify_attention,
-    verify_attention_ref,
 )
-from tests.kernels.paged import ragged_batch, rel_err
+from tests.kernels.paged import check_attention, ragged_batch, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
-
-
-def _check(batch, *, pad_rows=0, **kwargs):
-    q = batch[0]
-    scale = 1 / math.sqrt(q.shape[-1])
-    out = torch.full_like(q, float("nan"))  # poison: every element must be written
-    verify_attention(*batch, scale, out, **kwargs)
-    ref = verify_attention_ref(*[t.float() if t.is_floating_point() else t for t in batch], scale)
-    assert not out.isnan().any()
-    assert rel_err(out, ref) < TOL[q.dtype]
-    if pad_rows:
-        assert (out[-pad_rows:] == 0).all()
-    return out
 
 
 # One sequence: (rows, cached tokens before them); rows 0 is a padded sequence.
@@ -71,7 +54,7 @@ def test_ragged_batches_match_reference(
         pad_rows=pad_rows,
         seed=seed,
     )
-    _check(batch, pad_rows=pad_rows, num_splits=num_splits, max_q_len=max_q_len)
+    check_attention(batch, pad_rows=pad_rows, num_splits=num_splits, max_q_len=max_q_len)
 
 
 def test_odd_group_and_head_dim():
@@ -86,7 +69,7 @@ def test_odd_group_and_head_dim():
         dtype=torch.float32,
         device=DEV,
     )
-    _check(batch, num_splits=2, max_q_len=8)
+    check_attention(batch, num_splits=2, max_q_len=8)
 
 
 def test_per_row_tiles_equal_shared_tiles():
@@ -100,8 +83,8 @@ def test_per_row_tiles_equal_shared_tiles():
         dtype=torch.float32,
         device=DEV,
     )
-    shared = _check(batch, max_q_len=8, num_splits=1)
-    per_row = _check(batch, rows_per_tile=1, num_splits=1)
+    shared = check_attention(batch, max_q_len=8, num_splits=1)
+    per_row = check_attention(batch, rows_per_tile=1, num_splits=1)
     assert rel_err(shared, per_row) < 1e-6
 
 
@@ -116,7 +99,7 @@ def test_long_context_many_splits():
         dtype=torch.float32,
         device=DEV,
     )
-    _check(batch, num_splits=16, max_q_len=2)
+    check_attention(batch, num_splits=16, max_q_len=2)
 
 
 def test_rejects_mismatched_dtypes():
@@ -181,6 +164,6 @@ def test_two_tiles_of_one_sequence_match_reference():
         dtype=torch.float32,
         device=DEV,
     )
-    _check(batch, rows_per_tile=8, num_splits=1)
-    _check(batch, rows_per_tile=8, num_splits=3)
-    _check(batch, max_q_len=16)
+    check_attention(batch, rows_per_tile=8, num_splits=1)
+    check_attention(batch, rows_per_tile=8, num_splits=3)
+    check_attention(batch, max_q_len=16)

@@ -8,7 +8,6 @@ interpreter uses, so these tests run on the CPU as well as on a GPU.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -23,10 +22,9 @@ from kernels.attention import (
     verify_attention,
     verify_attention_ref,
 )
-from tests.kernels.paged import ragged_batch, rel_err
+from tests.kernels.paged import check_attention, ragged_batch, rel_err
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 
 VARIANTS = {
     "plain": {},
@@ -57,17 +55,6 @@ def tiles():
     arch._config_for.cache_clear()
 
 
-def _check(batch, **kwargs):
-    q = batch[0]
-    scale = 1 / math.sqrt(q.shape[-1])
-    out = torch.full_like(q, float("nan"))  # poison: every element must be written
-    verify_attention(*batch, scale, out, **kwargs)
-    ref = verify_attention_ref(*[t.float() if t.is_floating_point() else t for t in batch], scale)
-    assert not out.isnan().any()
-    assert rel_err(out, ref) < TOL[q.dtype]
-    return out
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_variant_matches_reference(tiles, variant, num_splits):
@@ -84,7 +71,7 @@ def test_variant_matches_reference(tiles, variant, num_splits):
         dtype=torch.float32,
         device=DEV,
     )
-    _check(batch, num_splits=num_splits, max_q_len=16)
+    check_attention(batch, num_splits=num_splits, max_q_len=16)
 
 
 @pytest.mark.parametrize("lazy", [0, 1])
@@ -106,7 +93,7 @@ def test_scores_growing_across_tiles_are_rescaled(tiles, lazy):
     ramp = torch.linspace(0.1, 6.0, k.shape[0] * k.shape[1], device=DEV).view(k.shape[:2])
     k = k * ramp[:, :, None, None]
     q = q * 40.0  # the max grows by hundreds in log2 units: no rescale would overflow fp32
-    _check((q, k, v, cu, lens, bt), num_splits=1, max_q_len=4)
+    check_attention((q, k, v, cu, lens, bt), num_splits=1, max_q_len=4)
 
 
 def test_fp16_variant_with_odd_head_dim(tiles):
@@ -121,7 +108,7 @@ def test_fp16_variant_with_odd_head_dim(tiles):
         dtype=torch.float16,
         device=DEV,
     )
-    _check(batch, num_splits=2, max_q_len=8)
+    check_attention(batch, num_splits=2, max_q_len=8)
 
 
 def test_large_tiles_take_their_own_settings(tiles):
