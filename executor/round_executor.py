@@ -31,14 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor import rng
 from executor.accept import AcceptLaunch, finish_accept, launch_accept, logprobs_of, walk_groups
 from executor.drafters.base import DraftBatch, Drafter, DraftRequest
 from executor.graphs import DEFAULT_BUCKETS, DecodeGraphs, bucket_for
 from executor.kv_cache import KVCache
 from executor.model import AttnMetadata, Model
 from executor.row_sampler import RowSampler
-from executor.sampling import SamplingTensors
+from executor.sampling import SamplingTensors, sampling_row
 from scheduler.plan import (
     Emitted,
     PhaseTimes,
@@ -238,18 +237,10 @@ class RoundExecutor:
 
     def _set_sampling(self, slot: int, req_id: int, spec: SamplingSpec) -> None:
         """The slot's sampling parameters as the per-row values `SamplingTensors` holds."""
-        self.float_params[:, slot] = (
-            max(spec.temperature, 0.0),
-            spec.top_p,
-            spec.min_p,
-            spec.presence_penalty,
-            spec.frequency_penalty,
-            spec.repetition_penalty,
+        row, self.top_k[slot], self.seed[slot] = sampling_row(
+            spec, req_id, self.base_seed, self.vocab_size
         )
-        vocab = self.vocab_size
-        self.top_k[slot] = spec.top_k if 0 < spec.top_k < vocab else vocab
-        seed = rng.derive_seed(self.base_seed, req_id) if spec.seed is None else spec.seed
-        self.seed[slot] = rng.seed_to_int64(seed)
+        self.float_params[:, slot] = row
         self.greedy[slot] = spec.greedy
         self.penalised[slot] = (
             spec.presence_penalty != 0.0

@@ -37,6 +37,25 @@ from scheduler.plan import SamplingSpec
 _NEG_INF = float("-inf")
 
 
+def sampling_row(
+    spec: SamplingSpec, req_id: int, base_seed: int, vocab_size: int
+) -> tuple[tuple[float, ...], int, int]:
+    """One request's sampling parameters as the rows of `SamplingTensors` hold them:
+    (temperature, top_p, min_p, presence, frequency, repetition), top_k (the vocab size when
+    off) and the int64 seed (derived from `base_seed` and the request id when it has none)."""
+    floats = (
+        max(spec.temperature, 0.0),
+        spec.top_p,
+        spec.min_p,
+        spec.presence_penalty,
+        spec.frequency_penalty,
+        spec.repetition_penalty,
+    )
+    top_k = spec.top_k if 0 < spec.top_k < vocab_size else vocab_size
+    seed = rng.derive_seed(base_seed, req_id) if spec.seed is None else spec.seed
+    return floats, top_k, rng.seed_to_int64(seed)
+
+
 @dataclass(frozen=True)
 class SamplingTensors:
     """Per-row sampling parameters of one round, on the device, plus host-side facts about the
@@ -84,16 +103,10 @@ class SamplingTensors:
         floats = [[0.0] * num_rows for _ in range(6)]
         ints = [[0] * num_rows for _ in range(3)]
         for i, (spec, req_id, step) in enumerate(zip(specs, req_ids, steps)):
-            floats[0][i] = max(spec.temperature, 0.0)
-            floats[1][i] = spec.top_p
-            floats[2][i] = spec.min_p
-            floats[3][i] = spec.presence_penalty
-            floats[4][i] = spec.frequency_penalty
-            floats[5][i] = spec.repetition_penalty
-            ints[0][i] = spec.top_k if 0 < spec.top_k < vocab_size else vocab_size
-            seed = rng.derive_seed(base_seed, req_id) if spec.seed is None else spec.seed
-            ints[1][i] = rng.seed_to_int64(seed)
-            ints[2][i] = step
+            row, top_k, seed = sampling_row(spec, req_id, base_seed, vocab_size)
+            for f, value in enumerate(row):
+                floats[f][i] = value
+            ints[0][i], ints[1][i], ints[2][i] = top_k, seed, step
         # Two uploads per round; the fields are views into them.
         float_rows = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
         int_rows = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
