@@ -6,15 +6,9 @@ from __future__ import annotations
 import pytest
 
 from hipfire_serve import LLM, SamplingParams
-from tests.fixtures.tiny_models import make_tiny_model
 
 # A repetitive prompt: prompt lookup then drafts long runs that greedy decoding accepts.
 PROMPT = "def add(a, b):\n    return a + b\n" * 3
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("m"), "qwen3", seed=3)
 
 
 def _llm(model_dir, **kw):

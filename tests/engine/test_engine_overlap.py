@@ -7,20 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from hipfire_serve import LLM, SamplingParams
-from tests.fixtures.tiny_models import make_tiny_model
-
-PROMPT = "def add(a, b):\n    return a + b\n" * 3
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("m"), "qwen3", seed=3)
-
-
-def _llm(model_dir, **kw):
-    kw.setdefault("draft", "none")
-    return LLM(str(model_dir), device="cpu", dtype="float32", **kw)
+from hipfire_serve import SamplingParams
+from tests.engine.test_engine import PROMPT, _llm
 
 
 def _idle(engine):
