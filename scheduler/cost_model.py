@@ -255,20 +255,12 @@ class CostModel:
         raw = self.raw_ms_scalar(
             num_rows, num_kv_tokens, draft_depth, num_spec, drafter_lag_rows, num_prefill_rows
         )
-        idx = self.profile.bucket_index_scalar(num_rows)
-        return raw * self._eff_list[1 if draft_depth > 0 else 0][idx]
+        return self.correct_ms_scalar(raw, num_rows, draft_depth > 0)
 
     def correct_ms_scalar(self, raw_ms: float, num_rows: int, has_spec: bool) -> float:
-        """predict_ms_scalar of a shape whose raw_ms_scalar is already known."""
+        """The calibrated prediction of a shape whose raw_ms_scalar is already known."""
         idx = self.profile.bucket_index_scalar(num_rows)
         return raw_ms * self._eff_list[1 if has_spec else 0][idx]
-
-    def predict_ar_ms_scalar(self, num_rows: int, num_kv_tokens: int) -> float:
-        """predict_ms_scalar of a decode-only all-AR round, the same arithmetic without the
-        general path's calls (plan() asks it every round)."""
-        profile = self.profile
-        raw = profile._padded.scalar(num_rows) + num_kv_tokens * profile.kv_ms_per_token
-        return raw * self._eff_list[0][profile.bucket_index_scalar(num_rows)]
 
     def predict_ms(
         self,

@@ -616,9 +616,7 @@ class Scheduler:
                 num_draft = np.minimum(ahead, np.maximum(caps, 0))
                 extra = prepared[4] if np.array_equal(num_draft, ahead) else None
             self._last_reason = prepared[3] + " (ahead)"
-            ar_ms = self.cost_model.predict_ar_ms_scalar(
-                n, int(self._num_computed[slots].sum()) + n
-            )
+            ar_ms = self.cost_model.predict_ms_scalar(n, int(self._num_computed[slots].sum()) + n)
         else:
             extra = None
             self._flush_observations()

@@ -134,13 +134,15 @@ def test_single_point_profile_is_flat():
         st.tuples(st.integers(1, 600), st.booleans(), st.floats(0.5, 2.0)), max_size=8
     ),
 )
-def test_scalar_shortcuts_equal_predict_ms_scalar(rows, kv, depth, num_spec, observed):
-    """The plan's shortcuts give predict_ms_scalar's value exactly, calibrated or not."""
+def test_correcting_a_known_raw_estimate_equals_predict_ms_scalar(
+    rows, kv, depth, num_spec, observed
+):
+    """plan() corrects the raw estimate it already has: predict_ms_scalar's value exactly,
+    calibrated or not."""
     cm = CostModel(PROFILE)
     for obs_rows, has_spec, factor in observed:
         raw = cm.raw_ms_scalar(obs_rows, 1000, 3 if has_spec else 0, 8)
         cm.observe(obs_rows, has_spec, raw, raw * factor)
-    assert cm.predict_ar_ms_scalar(rows, kv) == cm.predict_ms_scalar(rows, kv, 0, 0, 0, 0)
     raw = cm.raw_ms_scalar(rows, kv, depth, num_spec, 3, 0)
     assert cm.correct_ms_scalar(raw, rows, depth > 0) == cm.predict_ms_scalar(
         rows, kv, depth, num_spec, 3, 0
