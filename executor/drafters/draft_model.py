@@ -24,7 +24,7 @@ argmax. The draft model must share the target's vocabulary (the rows are indexed
 Graphs: on a GPU every chain step, and step 0 when it holds at most `GRAPH_MAX_ROWS_PER_SEQ` rows
 per request (no long catch-up), replays a captured decode graph of the draft model
 (`executor/graphs.py`, keyed by row bucket and block-table width). A small model's step is
-otherwise bound by kernel launches: eager, a 28-layer 0.6B model took ~13 ms per step at any
+otherwise bound by kernel launches: eager, a 28-layer 0.6B model took 12 to 17 ms per step at any
 batch on an H200, so a depth-8 chain cost more than the target's round.
 """
 
@@ -144,7 +144,7 @@ class DraftModelDrafter:
     def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch:
         if self.block_tables is None:
             raise RuntimeError("DraftModelDrafter needs the executor's block table (bind it)")
-        t0 = time.perf_counter()
+        clock = _PhaseClock(self.device)  # start, after step 0, end of the chain
         num_reqs = len(requests)
         num_drafts = np.array([r.num_draft for r in requests], dtype=np.int64)  # [num_reqs]
         max_draft = int(num_drafts.max(initial=0))
@@ -214,9 +214,7 @@ class DraftModelDrafter:
         logits = self._forward_logits(ids_t, meta, max(num_rows), last_rows)
         req, _, _, prow, temp = entries(0)
         self._pick(logits, req, prow, temp, 0, draft_tokens, probs)
-        if num_catchup_rows:
-            self._sync()
-        t_first = time.perf_counter()
+        clock.mark()
         for slot, ctx_len in zip(slots.tolist(), ctx_lens.tolist()):
             # the whole context now has draft KV; the drafts' KV becomes valid in `commit`
             self.kv_len[slot] = ctx_len
@@ -241,16 +239,16 @@ class DraftModelDrafter:
             logits = self._forward_logits(draft_tokens[req, j - 1], meta, 1, None)
             self._pick(logits, req, prow, temp, j, draft_tokens, probs)
 
+        clock.mark()
         tokens_host = draft_tokens.tolist()  # the one device->host copy of the drafts
-        t_end = time.perf_counter()
         # Catch-up time: what step 0 cost beyond a plain chain step (the mean of steps 1..).
         # A single draft has no plain step to compare with: then the catch-up rows' share of
         # step 0 stands in.
         catchup_ms = 0.0
         if num_catchup_rows:
-            first_ms = (t_first - t0) * 1e3
+            first_ms, chain_ms = clock.intervals_ms()
             if max_draft > 1:
-                step_ms = (t_end - t_first) * 1e3 / (max_draft - 1)
+                step_ms = chain_ms / (max_draft - 1)
                 catchup_ms = max(first_ms - step_ms, 0.0)
             else:
                 catchup_ms = first_ms * num_catchup_rows / (num_catchup_rows + len(num_rows))
@@ -340,6 +338,29 @@ class DraftModelDrafter:
             probs[prow + j] = torch.where(sampled[:, None], q, point)
         draft_tokens[req, j] = tokens
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+
+class _PhaseClock:
+    """Times consecutive phases of work queued on a device without waiting for it: CUDA events
+    on a GPU (read after the proposal's one copy back has synchronised), the host clock on a
+    CPU, where the work runs as it is issued."""
+
+    def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
+        self.marks = [self._now()]
+
+    def _now(self):
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self) -> None:
+        self.marks.append(self._now())
+
+    def intervals_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks (the device must have passed the last)."""
+        pairs = zip(self.marks, self.marks[1:])
+        if self.events:
+            return [a.elapsed_time(b) for a, b in pairs]
+        return [(b - a) * 1e3 for a, b in pairs]
