@@ -1,0 +1,799 @@
+"""Round-cost probe: where eager prefill rounds and draft-model proposals spend their time,
+against what the scheduler's cost profile predicts for them.
+
+    python3 -m loadtests.round_probe --out OUT
+
+Measures, on a random-weight Qwen3-8B-shaped target (and a Qwen3-0.6B-shaped draft model):
+
+a) eager prefill rounds through `RoundExecutor.run`: one chunk of 256..2048 rows at 0 or 1024
+   tokens of existing context, alone and next to 32 AR decode rows at 1024 tokens of context.
+   Every shape runs `--repeats` times from the same state; the first call is reported on its own
+   (kernel compilation and other first-use costs land there), the others as medians of the
+   executor's phases (host build, CUDA-event forward, acceptance, commit) and wall time. Each
+   shape also gets the cost profile's prediction, a FLOP/byte floor, and the Triton kernels
+   compiled during its calls. A scan over the number of decode rows next to a 2048-row chunk
+   shows whether compilations follow the sequence count; one round is profiled kernel by kernel.
+b) `DraftModelDrafter.propose` for C requests at spec depth 8 from a caught-up context, after
+   two warm-up proposals: wall time with a device sync, per chain step device times (CUDA events
+   around each step's forward and pick), host gaps between steps, the graphs captured and the
+   kernels compiled during the measured calls, and the profile's price of the same chain.
+c) Triton compilations: a hook on Triton's JIT records every kernel variant compiled (or loaded
+   from the on-disk cache) while the probe runs, with its duration and specialisation, so a
+   recompile per shape is visible; the Triton cache directory's entry count is a cross-check.
+
+Writes `OUT/round_probe.json` and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from executor.drafters.base import DraftRequest
+from executor.drafters.draft_model import DraftModelDrafter
+from executor.round_executor import RoundExecutor
+from scheduler.kv_blocks import BlockPool
+from scheduler.plan import Mode, ReqPlan, RoundPlan, SamplingSpec, SeqSetup
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PROFILE = REPO_ROOT / "scheduler" / "profiles" / "h200-qwen3-8b.json"
+PHASES = ("build", "forward", "accept", "commit", "total")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median(values) -> float:
+    values = list(values)
+    return float(statistics.median(values)) if values else 0.0
+
+
+# -- (c) Triton compilations ------------------------------------------------------------------
+def _triton_cache_dir() -> Path:
+    env = os.environ.get("TRITON_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".triton" / "cache"
+
+
+def _cache_entries() -> int:
+    d = _triton_cache_dir()
+    return sum(1 for _ in d.iterdir()) if d.is_dir() else 0
+
+
+def _variant_of(compile_info: dict, arg_names: list[str]) -> dict[str, str]:
+    """Parameter name -> its specialisation in one compiled variant: the type, '/16' where
+    Triton assumed divisibility by 16, '=value' for constants (constexprs and ints equal to 1)."""
+    signature = compile_info.get("signature") or {}
+    names = list(signature.keys()) if signature else list(arg_names)
+    names = [
+        n if isinstance(n, str) else (arg_names[n] if n < len(arg_names) else str(n)) for n in names
+    ]
+
+    def name_of(key) -> str:
+        idx = key[0] if isinstance(key, tuple) and key else key
+        if isinstance(idx, int) and idx < len(names):
+            return names[idx]
+        return str(key)
+
+    out = {name: str(ty) for name, ty in zip(names, signature.values())}
+    configs = compile_info.get("configs") or [{}]
+    attrs = configs[0] if isinstance(configs, (list, tuple)) and configs else {}
+    for key, values in attrs.items() if isinstance(attrs, dict) else ():
+        if any("divisibility" in str(a) for a in values):
+            out[name_of(key)] = out.get(name_of(key), "") + "/16"
+    for key, value in (compile_info.get("constants") or {}).items():
+        out[name_of(key)] = out.get(name_of(key), "") + f"={value}"
+    return out
+
+
+class CompileLog:
+    """Records Triton kernel compilations while installed, through Triton's JIT hooks
+    (`triton.knobs.runtime.jit_cache_hook` / `jit_post_compile_hook` on current versions,
+    `JITFunction.cache_hook` on older ones). A hook call means a kernel variant missed the
+    in-memory cache: it was compiled, or loaded from the on-disk cache (then it is fast)."""
+
+    def __init__(self):
+        self.events: list[dict] = []  # kernel, seconds (None without a post hook), variant
+        self.method = "none"
+        self._started: dict[str, float] = {}
+        self._undo: list = []
+
+    def install(self) -> CompileLog:
+        try:
+            import triton
+        except ImportError:
+            self.method = "triton not installed"
+            return self
+        runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+        if runtime is not None and hasattr(runtime, "jit_cache_hook"):
+            prev_pre = runtime.jit_cache_hook
+            prev_post = getattr(runtime, "jit_post_compile_hook", None)
+            runtime.jit_cache_hook = self._chain(self.on_compile_start, prev_pre)
+            if hasattr(runtime, "jit_post_compile_hook"):
+                runtime.jit_post_compile_hook = self._chain(self.on_compile_done, prev_post)
+            self._undo.append(lambda: setattr(runtime, "jit_cache_hook", prev_pre))
+            if hasattr(runtime, "jit_post_compile_hook"):
+                self._undo.append(lambda: setattr(runtime, "jit_post_compile_hook", prev_post))
+            self.method = "triton.knobs.runtime.jit_cache_hook"
+            return self
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            self.method = "no Triton JIT hook found"
+            return self
+        prev = getattr(JITFunction, "cache_hook", None)
+        JITFunction.cache_hook = self._chain(self.on_compile_start, prev)
+        self._undo.append(lambda: setattr(JITFunction, "cache_hook", prev))
+        self.method = "triton.runtime.jit.JITFunction.cache_hook"
+        return self
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    @staticmethod
+    def _chain(mine, previous):
+        def hook(**kwargs):
+            mine(**kwargs)
+            # a truthy answer would make Triton skip the compilation: only a previous hook's
+            return previous(**kwargs) if previous is not None else None
+
+        return hook
+
+    def on_compile_start(self, **kwargs) -> None:
+        fn = kwargs.get("fn")
+        name = getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[")[0]
+        jit_fn = getattr(fn, "jit_function", None)
+        arg_names = list(getattr(jit_fn, "arg_names", []) or [])
+        try:
+            variant = _variant_of(kwargs.get("compile") or {}, arg_names)
+        except (TypeError, ValueError, AttributeError, IndexError):
+            variant = {"repr": str(kwargs.get("repr", ""))[:400]}
+        key = str(kwargs.get("key"))
+        self._started[key] = time.perf_counter()
+        self.events.append({"kernel": name, "seconds": None, "key": key, "variant": variant})
+
+    def on_compile_done(self, **kwargs) -> None:
+        key = str(kwargs.get("key"))
+        t0 = self._started.pop(key, None)
+        if t0 is None:
+            return
+        for ev in reversed(self.events):
+            if ev["key"] == key and ev["seconds"] is None:
+                ev["seconds"] = round(time.perf_counter() - t0, 4)
+                break
+
+    def mark(self) -> int:
+        return len(self.events)
+
+    def since(self, mark: int) -> dict:
+        """Compilations after `mark`: count, seconds (known ones), kernel names."""
+        evs = self.events[mark:]
+        return {
+            "count": len(evs),
+            "seconds": round(sum(e["seconds"] or 0.0 for e in evs), 3),
+            "kernels": sorted({e["kernel"] for e in evs}),
+        }
+
+    def summary(self) -> list[dict]:
+        """Per kernel: variants compiled, seconds, and the parameters whose specialisation
+        differs between its variants (what made Triton compile it again)."""
+        by_kernel: dict[str, list[dict]] = {}
+        for ev in self.events:
+            by_kernel.setdefault(ev["kernel"], []).append(ev)
+        out = []
+        for name, evs in sorted(by_kernel.items(), key=lambda kv: -len(kv[1])):
+            variants = [e["variant"] for e in evs]
+            params = sorted({p for v in variants for p in v})
+            differs = {
+                p: sorted({v.get(p, "-") for v in variants})
+                for p in params
+                if len({v.get(p, "-") for v in variants}) > 1
+            }
+            out.append(
+                {
+                    "kernel": name,
+                    "variants": len(evs),
+                    "seconds": round(sum(e["seconds"] or 0.0 for e in evs), 3),
+                    "differs_in": differs,
+                }
+            )
+        return out
+
+
+# -- (a) eager prefill rounds -----------------------------------------------------------------
+@dataclass(frozen=True)
+class RoundShape:
+    chunk: int  # prefill rows of the one chunk
+    context: int  # tokens of the chunk's request already in the cache
+    num_decode: int  # AR decode rows next to it
+    decode_kv_len: int  # context tokens of each decoding request
+
+    @property
+    def num_rows(self) -> int:
+        return self.chunk + self.num_decode
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """The scheduler's count: num_computed + num_new summed over the requests."""
+        return self.context + self.chunk + self.num_decode * self.decode_kv_len
+
+    @property
+    def attention_keys(self) -> int:
+        """(query row, visible key) pairs of the round: causal chunk plus the decode rows."""
+        c = self.chunk
+        return c * self.context + c * (c + 1) // 2 + self.num_decode * self.decode_kv_len
+
+    def label(self) -> str:
+        extra = f" + {self.num_decode} AR@{self.decode_kv_len}" if self.num_decode else ""
+        return f"chunk {self.chunk} @ctx {self.context}{extra}"
+
+
+def predicted_ms(cost_model, shape: RoundShape) -> dict | None:
+    """The cost profile's uncorrected price of the round (the scheduler's raw prediction) and
+    its two terms: the dense row curve and the KV term."""
+    if cost_model is None:
+        return None
+    p = cost_model.profile
+    return {
+        "predicted_ms": round(
+            float(
+                p.round_ms_scalar(shape.num_rows, shape.num_kv_tokens, num_prefill_rows=shape.chunk)
+            ),
+            3,
+        ),
+        "dense_ms": round(float(p.target_ms(shape.num_rows)), 3),
+        "kv_ms": round(float(p.attention_ms(shape.num_kv_tokens)), 3),
+    }
+
+
+def floor_ms(model, shape: RoundShape, ceilings: dict) -> dict | None:
+    """max(FLOPs / GEMM rate, bytes / copy rate) of the round with the ceilings measured now:
+    dense layers over every row, the LM head over the sampled rows only, causal attention."""
+    if not ceilings:
+        return None
+    cfg = model.config
+    w = model.weights
+    head = w.lm_head.numel()
+    layer_params = model.num_params - w.embed.numel() - (0 if w.lm_head is w.embed else head)
+    num_logit = shape.num_decode + 1
+    dense = 2 * layer_params * shape.num_rows + 2 * head * num_logit
+    attn = 4 * shape.attention_keys * cfg.q_size * cfg.num_layers
+    elt = w.embed.element_size()
+    num_bytes = model.num_params * elt + shape.num_kv_tokens * cfg.kv_bytes_per_token(elt)
+    t_flops = (dense + attn) / (ceilings["bf16_gemm_TFLOPs"] * 1e12) * 1e3
+    t_bytes = num_bytes / (ceilings["copy_read_plus_write_TBps"] * 1e12) * 1e3
+    return {
+        "floor_ms": round(max(t_flops, t_bytes), 3),
+        "attention_ms_at_gemm_rate": round(attn / (ceilings["bf16_gemm_TFLOPs"] * 1e12) * 1e3, 3),
+    }
+
+
+class PrefillRounds:
+    """Builds one-chunk prefill rounds (optionally with AR decode rows) on a `RoundExecutor`
+    and times `run` on them from the same state every call, as `RoundTimer` does for decode
+    rounds (same slot set-up, same block pool, drafter out of the way)."""
+
+    def __init__(self, executor: RoundExecutor, log: CompileLog):
+        self.ex = executor
+        self.log = log
+        self.pool = BlockPool(executor.kv.num_blocks, executor.block_size)
+
+    def _plan(self, shape: RoundShape) -> tuple[list[SeqSetup], RoundPlan]:
+        ex = self.ex
+        if shape.num_decode + 1 > ex.max_slots:
+            raise ValueError(f"{shape.num_decode} decode rows + a chunk need more slots")
+        bs = ex.block_size
+        vocab = ex.target.config.vocab_size
+        g = torch.Generator().manual_seed(shape.chunk * 7919 + shape.context + shape.num_decode)
+        setups, reqs = [], []
+        for slot in range(shape.num_decode):
+            context = torch.randint(0, vocab, (shape.decode_kv_len,), generator=g).tolist()
+            blocks = self.pool.allocate(slot, -(-(shape.decode_kv_len + 1) // bs))
+            setups.append(
+                SeqSetup(
+                    req_id=slot,
+                    slot=slot,
+                    context_token_ids=tuple(context),
+                    sampling=SamplingSpec(),
+                )
+            )
+            reqs.append(
+                ReqPlan(
+                    req_id=slot,
+                    slot=slot,
+                    mode=Mode.AR,
+                    num_computed=shape.decode_kv_len - 1,
+                    num_new=1,
+                    new_block_ids=blocks,
+                )
+            )
+        slot = shape.num_decode
+        prompt_len = shape.context + shape.chunk
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+        blocks = self.pool.allocate(slot, -(-prompt_len // bs))
+        setups.append(
+            SeqSetup(
+                req_id=slot, slot=slot, context_token_ids=tuple(prompt), sampling=SamplingSpec()
+            )
+        )
+        reqs.append(
+            ReqPlan(
+                req_id=slot,
+                slot=slot,
+                mode=Mode.PREFILL,
+                num_computed=shape.context,
+                num_new=shape.chunk,
+                new_block_ids=blocks,
+                sample=True,
+            )
+        )
+        plan = RoundPlan.from_reqs(
+            reqs,
+            round_id=0,
+            num_rows=shape.num_rows,
+            row_bucket=0,
+            num_kv_tokens=shape.num_kv_tokens,
+        )
+        return setups, plan
+
+    def _reset(self, shape: RoundShape) -> None:
+        """Back to the state before the round: the decode slots at their context, the chunk's
+        slot with `context` tokens computed of its prompt (the KV contents do not matter)."""
+        ex = self.ex
+        for slot in range(shape.num_decode):
+            ex.rewind(slot, shape.decode_kv_len)
+        slot = shape.num_decode
+        ex.context_len[slot] = shape.context + shape.chunk
+        ex.num_computed[slot] = shape.context
+
+    def measure(self, shape: RoundShape, repeats: int) -> dict:
+        ex = self.ex
+        setups, plan = self._plan(shape)
+        saved_drafter = ex.drafter
+        ex.drafter = None
+        ex._apply_setup_release(RoundPlan(round_id=0, setup=tuple(setups)))
+        calls = []
+        try:
+            for _ in range(max(repeats, 2)):
+                self._reset(shape)
+                _sync(ex.device)
+                mark = self.log.mark()
+                t0 = time.perf_counter()
+                result = ex.run(plan)
+                _sync(ex.device)
+                wall_ms = (time.perf_counter() - t0) * 1e3
+                t = result.timings
+                calls.append(
+                    {
+                        "wall_ms": wall_ms,
+                        **{f"{name}_ms": getattr(t, f"{name}_ms") for name in PHASES},
+                        "compiles": self.log.since(mark),
+                    }
+                )
+        finally:
+            ex._apply_setup_release(
+                RoundPlan(round_id=0, release=tuple(range(shape.num_decode + 1)))
+            )
+            ex.drafter = saved_drafter
+            for slot in range(shape.num_decode + 1):
+                self.pool.free(slot)
+        first, rest = calls[0], calls[1:]
+        keys = ["wall_ms"] + [f"{name}_ms" for name in PHASES]
+        return {
+            "shape": asdict(shape),
+            "label": shape.label(),
+            "num_rows": shape.num_rows,
+            "num_kv_tokens": shape.num_kv_tokens,
+            "first": {k: round(first[k], 3) for k in keys} | {"compiles": first["compiles"]},
+            "median_rest": {k: round(_median(c[k] for c in rest), 3) for k in keys},
+            "compiles_rest": sum(c["compiles"]["count"] for c in rest),
+            "calls": len(calls),
+        }
+
+
+def kernel_table(bench: PrefillRounds, shape: RoundShape, row_limit: int = 10) -> dict:
+    """One round of `shape` (measured before, so warm) under the torch profiler: the kernels
+    (device ops on a CPU) with the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = bench.ex.device.type == "cuda"
+    activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        bench.measure(shape, 2)
+    averages = prof.key_averages()
+    sort_by = "cuda_time_total" if on_gpu else "cpu_time_total"
+
+    def device_us(e) -> float:
+        if on_gpu:
+            return float(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)))
+        return float(e.cpu_time_total)
+
+    top = sorted(averages, key=device_us, reverse=True)[:row_limit]
+    return {
+        "shape": shape.label(),
+        "rounds": 2,
+        "top": [
+            {"name": e.key[:120], "calls": e.count, "total_us": round(device_us(e), 1)} for e in top
+        ],
+        "table": averages.table(sort_by=sort_by, row_limit=row_limit),
+    }
+
+
+# -- (b) draft-model proposals ----------------------------------------------------------------
+class StepClock:
+    """Marks the device timeline around each drafting step of one `propose`: before the step's
+    forward and after its pick (CUDA events on a GPU, read after the proposal's own copy back
+    has synchronised; the host clock on a CPU, where work runs as it is issued). Installed by
+    wrapping the drafter instance's `_forward_logits` and `_pick`; removed on exit."""
+
+    def __init__(self, drafter: DraftModelDrafter):
+        self.drafter = drafter
+        self.events = drafter.device.type == "cuda"
+        self.starts: list = []
+        self.ends: list = []
+
+    def _now(self):
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def __enter__(self) -> StepClock:
+        d = self.drafter
+        forward, pick = d._forward_logits, d._pick
+
+        def timed_forward(*args, **kwargs):
+            self.starts.append(self._now())
+            return forward(*args, **kwargs)
+
+        def timed_pick(*args, **kwargs):
+            out = pick(*args, **kwargs)
+            self.ends.append(self._now())
+            return out
+
+        d._forward_logits, d._pick = timed_forward, timed_pick
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.drafter._forward_logits, self.drafter._pick
+
+    def _ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.events else (b - a) * 1e3
+
+    def steps_ms(self) -> list[float]:
+        return [self._ms(a, b) for a, b in zip(self.starts, self.ends)]
+
+    def gaps_ms(self) -> list[float]:
+        """Device time between one step's pick and the next step's forward (host stalls)."""
+        return [self._ms(a, b) for a, b in zip(self.ends, self.starts[1:])]
+
+
+def make_drafter(model, max_reqs: int, max_context: int, depth: int) -> DraftModelDrafter:
+    """A draft-model drafter with its own KV cache and block table for `max_reqs` requests of
+    up to `max_context` tokens, built the way `executor.profiler.time_draft_steps` builds it
+    (graphs lazy on a GPU)."""
+    block = 16
+    blocks_each = -(-(max_context + depth + 1) // block)
+    drafter = DraftModelDrafter(
+        model,
+        num_blocks=max_reqs * blocks_each + 1,
+        block_size=block,
+        max_slots=max_reqs,
+        max_model_len=blocks_each * block,
+        graphs="lazy",
+    )
+    table = np.arange(1, max_reqs * blocks_each + 1, dtype=np.int32).reshape(max_reqs, -1)
+    drafter.bind_block_tables(table)
+    return drafter
+
+
+def measure_propose(
+    drafter: DraftModelDrafter,
+    num_reqs: int,
+    context_len: int,
+    depth: int,
+    repeats: int,
+    log: CompileLog,
+    cost_model=None,
+) -> dict:
+    """`propose` for `num_reqs` greedy requests drafting depth - 1 tokens each from a context of
+    `context_len` tokens the drafter has caught up on (two warm-up proposals first: the first
+    catches up, both may capture graphs)."""
+    dev = drafter.device
+    chain = depth - 1
+    vocab = drafter.model.config.vocab_size
+    g = torch.Generator().manual_seed(num_reqs * 131 + context_len)
+    contexts = torch.randint(0, vocab, (num_reqs, context_len), generator=g).tolist()
+    for slot in range(num_reqs):
+        drafter.setup(slot, contexts[slot])
+    requests = [
+        DraftRequest(slot, contexts[slot], chain, temperature=0.0) for slot in range(num_reqs)
+    ]
+    greedy = [True] * num_reqs
+
+    def num_graphs() -> int | None:
+        return len(drafter.graphs.graphs) if drafter.graphs is not None else None
+
+    warm_mark, warm_graphs = log.mark(), num_graphs()
+    t0 = time.perf_counter()
+    for _ in range(2):
+        drafter.propose(requests, greedy)
+    _sync(dev)
+    warm_s = time.perf_counter() - t0
+    graphs_after_warm = num_graphs()
+    mark = log.mark()
+    walls, steps, gaps, spans, step0 = [], [], [], [], []
+    for _ in range(repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        with StepClock(drafter) as clock:
+            drafter.propose(requests, greedy)  # ends with the copy of the drafts to the host
+            _sync(dev)
+            walls.append((time.perf_counter() - t0) * 1e3)
+            s = clock.steps_ms()
+            step0.append(s[0])
+            steps.append(_median(s[1:]) if len(s) > 1 else 0.0)
+            gaps.append(sum(clock.gaps_ms()))
+            spans.append(sum(s) + gaps[-1])
+    graphs_end = num_graphs()
+    out = {
+        "num_reqs": num_reqs,
+        "context_len": context_len,
+        "depth": depth,
+        "chain_steps": chain,
+        "warmup_s": round(warm_s, 3),
+        "warmup_compiles": log.since(warm_mark)["count"] - log.since(mark)["count"],
+        "graphs_captured_in_warmup": (
+            None if warm_graphs is None else graphs_after_warm - warm_graphs
+        ),
+        "graphs_captured_in_measured": (
+            None if graphs_end is None else graphs_end - graphs_after_warm
+        ),
+        "compiles_in_measured": log.since(mark)["count"],
+        "wall_ms": round(_median(walls), 3),
+        "wall_ms_per_step": round(_median(walls) / chain, 3),
+        "device_step0_ms": round(_median(step0), 3),
+        "device_chain_step_ms": round(_median(steps), 3),
+        "device_gaps_ms": round(_median(gaps), 3),
+        "device_span_ms": round(_median(spans), 3),
+        "host_outside_span_ms": round(_median(walls) - _median(spans), 3),
+    }
+    if cost_model is not None:
+        step = float(cost_model.profile.draft_step_ms(num_reqs))
+        out["profile_step_ms"] = round(step, 3)
+        # the cost model's chain of `chain` drafts: one step with the catch-up rows (none
+        # here), then chain - 1 plain steps
+        out["profile_chain_ms"] = round(step * chain, 3)
+    for slot in range(num_reqs):
+        drafter.release(slot)
+    return out
+
+
+# -- the whole probe --------------------------------------------------------------------------
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def build_engine(args):
+    from hipfire_serve.config import EngineConfig
+    from hipfire_serve.engine import Engine
+
+    slots = max((args.decode_rows, *_ints(args.seq_scan))) + 1
+    return Engine(
+        EngineConfig(
+            model=args.model,
+            draft=args.draft,
+            device=args.device,
+            dtype=args.dtype,
+            max_concurrency=max(slots, 2),
+            spec_depth=args.draft_depth,
+            kv_cache_memory=args.kv_cache_memory,
+            graphs="lazy",
+            max_model_len=args.max_model_len,
+            spec_mode="ar",
+            cost_profile=args.profile or "auto",
+        )
+    )
+
+
+def _print_rounds(rounds: list[dict]) -> None:
+    print(
+        f"{'round':<36} {'rows':>5} {'1st ms':>8} {'1st cmp':>8} {'wall':>8} {'build':>6} "
+        f"{'fwd ev':>8} {'accept':>7} {'commit':>6} {'pred':>7} {'x pred':>6} {'floor':>7}"
+    )
+    for r in rounds:
+        m, f = r["median_rest"], r["first"]
+        pred = (r.get("prediction") or {}).get("predicted_ms")
+        floor = (r.get("floor") or {}).get("floor_ms")
+        cmp_ = f"{f['compiles']['count']}/{f['compiles']['seconds']:.1f}s"
+        print(
+            f"{r['label']:<36} {r['num_rows']:>5} {f['wall_ms']:>8.1f} {cmp_:>8} "
+            f"{m['wall_ms']:>8.2f} {m['build_ms']:>6.2f} {m['forward_ms']:>8.2f} "
+            f"{m['accept_ms']:>7.2f} {m['commit_ms']:>6.2f} "
+            f"{pred if pred is not None else '-':>7} "
+            f"{(m['wall_ms'] / pred) if pred else float('nan'):>6.2f} "
+            f"{floor if floor is not None else '-':>7}"
+        )
+
+
+def _print_drafts(drafts: list[dict]) -> None:
+    print(
+        f"{'C':>4} {'ctx':>5} {'wall ms':>8} {'/step':>7} {'step0':>7} {'chain st':>8} "
+        f"{'gaps':>7} {'host out':>8} {'prof st':>7} {'graphs':>6} {'cmp':>4}"
+    )
+    for d in drafts:
+        print(
+            f"{d['num_reqs']:>4} {d['context_len']:>5} {d['wall_ms']:>8.2f} "
+            f"{d['wall_ms_per_step']:>7.3f} {d['device_step0_ms']:>7.3f} "
+            f"{d['device_chain_step_ms']:>8.3f} {d['device_gaps_ms']:>7.3f} "
+            f"{d['host_outside_span_ms']:>8.3f} {d.get('profile_step_ms', '-'):>7} "
+            f"{d['graphs_captured_in_measured']!s:>6} {d['compiles_in_measured']:>4}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from executor.profiler import measure_ceilings
+    from scheduler.cost_model import CostModel
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="random:qwen3-8b")
+    ap.add_argument("--draft", default="random:qwen3-0.6b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--kv-cache-memory", default="16GiB")
+    ap.add_argument("--profile", default=str(DEFAULT_PROFILE), help="cost profile JSON ('' none)")
+    ap.add_argument("--chunks", default="256,512,1024,2048")
+    ap.add_argument("--contexts", default="0,1024")
+    ap.add_argument("--decode-rows", type=int, default=32)
+    ap.add_argument("--decode-kv-len", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=4, help="calls per round shape (first apart)")
+    ap.add_argument(
+        "--seq-scan",
+        default="28,29,30,31,32,33,34,35,36",
+        help="decode rows next to the largest chunk at the largest context, one shape each",
+    )
+    ap.add_argument("--draft-reqs", default="1,16,64")
+    ap.add_argument("--draft-contexts", default="16,1024")
+    ap.add_argument("--draft-depth", type=int, default=8)
+    ap.add_argument("--draft-repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("round_probe: no CUDA/HIP device")
+        return 2
+    t_start = time.perf_counter()
+    log = CompileLog().install()
+    cache_before = _cache_entries()
+    try:
+        t0 = time.perf_counter()
+        engine = build_engine(args)
+        build_s = time.perf_counter() - t0
+        engine_compiles = log.since(0)
+        ceilings = measure_ceilings(device)
+        cost_model = CostModel.from_file(args.profile) if args.profile else None
+        ex = engine.executor
+        bench = PrefillRounds(ex, log)
+
+        # (a) prefill rounds: alone, then with the decode rows
+        shapes = [
+            RoundShape(c, ctx, n, args.decode_kv_len)
+            for n in (0, args.decode_rows)
+            for ctx in _ints(args.contexts)
+            for c in _ints(args.chunks)
+        ]
+        rounds = []
+        for shape in shapes:
+            r = bench.measure(shape, args.repeats)
+            r["prediction"] = predicted_ms(cost_model, shape)
+            r["floor"] = floor_ms(engine.target, shape, ceilings)
+            rounds.append(r)
+            print(
+                f"{r['label']}: first {r['first']['wall_ms']:.1f} ms "
+                f"({r['first']['compiles']['count']} compiles), then "
+                f"{r['median_rest']['wall_ms']:.2f} ms",
+                flush=True,
+            )
+        big = max(_ints(args.chunks))
+        ctx_hi = max(_ints(args.contexts))
+        scan = []
+        for n in _ints(args.seq_scan):
+            shape = RoundShape(big, ctx_hi, n, args.decode_kv_len)
+            r = bench.measure(shape, 2)
+            r["prediction"] = predicted_ms(cost_model, shape)
+            scan.append(r)
+        profiled = kernel_table(
+            bench, RoundShape(big, ctx_hi, args.decode_rows, args.decode_kv_len)
+        )
+
+        # (b) the draft model's proposals
+        drafts = []
+        draft_model = getattr(engine.drafter, "model", None)
+        if draft_model is not None:
+            reqs, ctxs = _ints(args.draft_reqs), _ints(args.draft_contexts)
+            drafter = make_drafter(draft_model, max(reqs), max(ctxs), args.draft_depth)
+            for ctx in ctxs:
+                for n in reqs:
+                    drafts.append(
+                        measure_propose(
+                            drafter, n, ctx, args.draft_depth, args.draft_repeats, log, cost_model
+                        )
+                    )
+                    print(f"propose C={n} ctx={ctx}: {drafts[-1]['wall_ms']:.2f} ms", flush=True)
+    finally:
+        log.uninstall()
+    record = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "model": args.model,
+        "draft": args.draft,
+        "profile": Path(args.profile).name if args.profile else None,
+        "engine_build_s": round(build_s, 2),
+        "engine_build_compiles": engine_compiles,
+        "ceilings": ceilings,
+        "rounds": rounds,
+        "seq_scan": scan,
+        "kernel_table": profiled,
+        "drafts": drafts,
+        "compile_method": log.method,
+        "compiles_total": len(log.events),
+        "compile_summary": log.summary(),
+        "triton_cache_entries_added": _cache_entries() - cache_before,
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "round_probe.json").write_text(json.dumps(record, indent=1, default=str))
+    print(f"\nengine build {build_s:.1f} s, {engine_compiles['count']} Triton compiles")
+    print("\n(a) prefill rounds (ms; medians of the calls after the first)")
+    _print_rounds(rounds)
+    print("\nscan: decode rows next to the largest chunk (first call: compiles)")
+    for r in scan:
+        f = r["first"]
+        print(
+            f"  {r['label']:<36} first {f['wall_ms']:8.1f} ms  compiles "
+            f"{f['compiles']['count']} ({', '.join(f['compiles']['kernels'])})  then "
+            f"{r['median_rest']['wall_ms']:.2f} ms"
+        )
+    print(f"\nkernels of one round, {profiled['shape']} (2 rounds):")
+    print(profiled["table"])
+    if drafts:
+        print("(b) draft proposals (ms; device step times from CUDA events)")
+        _print_drafts(drafts)
+    print(
+        f"\n(c) Triton compiles: {len(log.events)} via {log.method}; cache entries added "
+        f"{record['triton_cache_entries_added']}"
+    )
+    for s in log.summary():
+        print(
+            f"  {s['kernel']:<34} {s['variants']:>3} variants {s['seconds']:>7.2f} s  "
+            f"differ in {json.dumps(s['differs_in'])[:300]}"
+        )
+    print(f"\nwrote {out / 'round_probe.json'} in {record['elapsed_s']} s")
+    return 0
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
