@@ -11,6 +11,17 @@ Families:
   SM; programs per SM by tile size read off the compiled binaries' registers and shared memory
   (tests/kernels/attention_sm90_compile.py checks them); lazy rescaling and one-tile-ahead q.k
   off, both slower on most swept shapes.
+  Two shape rules for the 128-vector tiles (16 rows x GQA 8), both from host-known shapes only
+  (`plan_launch` applies them). Stages: split launches, whose grid is one wave of programs,
+  take 2 stages and unsplit grids of several waves 3; the sweep of 2026-11-29 21:08 UTC put 2
+  stages ahead at batch 16 / 8k (207 against 212 us) and batch 1 / 32k (69 against 71 us) and
+  3 ahead at batch 64 / 8k and 32k (750 against 779 us, 2960 against 3035 us). Fill: a grid of
+  128-vector programs below half of its slots (batch 1 at 1k: 16 programs for 264 slots; at 8k:
+  128) leaves SMs idle that twice as many 64-vector programs use; those shapes took 20.2 and
+  30.4 us with 64-vector tiles in the 19:37 record against 23.3 and 36.1 us with 128-vector
+  tiles at 21:14, while grids at 97% of the slots (batch 16 at 1k, batch 1 at 32k) were faster
+  with 128-vector tiles (49.0 against 59.5 us, 69.1 against 85 us).
+  `python -m kernels.bench --sweep` times each rule's choice against the alternatives.
 - `ampere_ada`: sm80/86/89. mma.sync tiles, smaller shared memory on the consumer parts.
 - `cdna3`: gfx94x (MI300). wave64, 64 KB LDS per CU, MFMA.
 - `rdna3`: gfx110x and gfx115x (incl. gfx1151 Strix Halo). wave32 with WMMA, 64 KB LDS.
@@ -44,7 +55,12 @@ class AttentionTiles:
     num_stages_split: int  # split launches of tiles of up to 64 query vectors
     block_n_large: int  # for tiles of more than 64 query vectors
     num_warps_large: int
-    num_stages_large: int
+    num_stages_large: int  # larger tiles, unsplit launches
+    num_stages_large_split: int  # larger tiles, split launches
+    # A grid of larger tiles (tiles x KV heads x splits) that would fill fewer than this percent
+    # of its program slots takes tiles of up to 64 query vectors instead (twice the programs,
+    # each sequence's rows cut in halves); 0: never.
+    min_fill_pct_large: int
     lazy_rescale: int  # 1: rescale the accumulator only when a row's max grows by > 2**8
     pipeline_qk: int  # 1: issue q.k of the next KV tile before this tile's softmax and PV
     max_regs: int  # NVIDIA, tiles of up to 64 query vectors: register cap per thread, 0: none
@@ -79,7 +95,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         attention=AttentionTiles(
             block_n=64, max_block_m=128, num_warps=4, num_stages=2,
             num_stages_split=3, block_n_large=64, num_warps_large=8,
-            num_stages_large=3, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            num_stages_large=3, num_stages_large_split=2,
+            min_fill_pct_large=50, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=128, waves_per_eu=0,
             min_split_len=512, max_splits=32, programs_per_sm_m16=4, programs_per_sm_m32=3,
             programs_per_sm=2,
@@ -96,7 +113,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         attention=AttentionTiles(
             block_n=64, max_block_m=128, num_warps=4, num_stages=2,
             num_stages_split=2, block_n_large=64, num_warps_large=8,
-            num_stages_large=2, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            num_stages_large=2, num_stages_large_split=2,
+            min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=0,
             min_split_len=512, max_splits=32, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
@@ -113,7 +131,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         attention=AttentionTiles(
             block_n=64, max_block_m=128, num_warps=4, num_stages=1,
             num_stages_split=1, block_n_large=64, num_warps_large=8,
-            num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            num_stages_large=1, num_stages_large_split=1,
+            min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=2,
             min_split_len=512, max_splits=32, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
@@ -130,7 +149,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         attention=AttentionTiles(
             block_n=32, max_block_m=64, num_warps=4, num_stages=1,
             num_stages_split=1, block_n_large=32, num_warps_large=4,
-            num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            num_stages_large=1, num_stages_large_split=1,
+            min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=2,
             min_split_len=256, max_splits=16, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
@@ -147,7 +167,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         attention=AttentionTiles(
             block_n=32, max_block_m=64, num_warps=4, num_stages=1,
             num_stages_split=1, block_n_large=32, num_warps_large=4,
-            num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            num_stages_large=1, num_stages_large_split=1,
+            min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=2,
             min_split_len=256, max_splits=16, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
@@ -164,7 +185,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
         attention=AttentionTiles(
             block_n=32, max_block_m=64, num_warps=4, num_stages=1,
             num_stages_split=1, block_n_large=32, num_warps_large=4,
-            num_stages_large=1, lazy_rescale=0, pipeline_qk=0, max_regs=0,
+            num_stages_large=1, num_stages_large_split=1,
+            min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=0,
             min_split_len=256, max_splits=16, programs_per_sm_m16=2, programs_per_sm_m32=2,
             programs_per_sm=2,

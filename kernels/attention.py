@@ -379,6 +379,28 @@ class AttentionLaunch:
     max_regs: int  # 0: the compiler's choice
 
 
+def _tile_grid(
+    device: torch.device,
+    *,
+    rows_per_tile: int,
+    group: int,
+    num_rows: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_kv_len: int,
+    num_splits: int | None,
+) -> tuple[int, int, int]:
+    """(block_m, programs per split, num_splits) of tiles of `rows_per_tile` rows; programs per
+    split is tiles x KV heads, splits the given count or the one that fills the slots."""
+    block_m = max(16, _next_pow2(rows_per_tile * _next_pow2(group)))  # tl.dot needs M >= 16
+    # Sequences of fewer rows than a tile still take a tile each.
+    est_tiles = max(triton.cdiv(num_rows, rows_per_tile), min(num_seqs, num_rows))
+    if num_splits is None:
+        num_splits = choose_num_splits(device, est_tiles, num_kv_heads, max_kv_len, block_m=block_m)
+    assert num_splits >= 1
+    return block_m, max(1, est_tiles * num_kv_heads), num_splits
+
+
 def plan_launch(
     device: torch.device,
     *,
@@ -391,36 +413,47 @@ def plan_launch(
     rows_per_tile: int | None = None,
     num_splits: int | None = None,
 ) -> AttentionLaunch:
-    """Tile, splits, warps and stages for a call (see `verify_attention` for the arguments).
+    """Tile, splits, warps and stages for a call (see `verify_attention` for the arguments):
+    the one place that reads the arch table's tiles, from host-known shapes only (so a captured
+    graph replays the launch it was captured with).
 
-    Tiles of more than 64 query vectors take the `*_large` settings. A split launch of smaller
-    tiles takes `num_stages_split` when its split count was capped (by `max_splits` or by the
-    context length) below the count that fills the program slots: such a grid leaves slots
-    free (batch 1 at long context), so a deeper pipeline per program pays off, while a grid
-    that fills the slots keeps the stage count they were counted at.
+    - Rows per tile: all of a sequence's rows up to `max_block_m` query vectors. A tile of more
+      than 64 vectors whose grid (tiles x KV heads x splits) would fill less than
+      `min_fill_pct_large` percent of its program slots falls back to tiles of up to 64 vectors:
+      twice the programs keep more SMs busy than one read of the KV per sequence saves. A
+      `rows_per_tile` the caller gives is kept.
+    - Stages: tiles of more than 64 vectors take `num_stages_large_split` in split launches (one
+      wave of programs) and `num_stages_large` otherwise. A split launch of smaller tiles takes
+      `num_stages_split` when its split count was capped (by `max_splits` or by the context
+      length) below the count that fills the program slots: such a grid leaves slots free
+      (batch 1 at long context), so a deeper pipeline per program pays off, while a grid that
+      fills the slots keeps the stage count they were counted at.
     """
     tiles = arch_config(device).attention
     group = num_q_heads // num_kv_heads
+    shape = {
+        "group": group,
+        "num_rows": num_rows,
+        "num_seqs": num_seqs,
+        "num_kv_heads": num_kv_heads,
+        "max_kv_len": max_kv_len,
+        "num_splits": num_splits,
+    }
     if rows_per_tile is None:
         rows_hint = max_q_len if max_q_len is not None else triton.cdiv(num_rows, max(1, num_seqs))
         rows_per_tile = choose_rows_per_tile(tiles.max_block_m, group, rows_hint)
+        block_m, programs, splits = _tile_grid(device, rows_per_tile=rows_per_tile, **shape)
+        fill_pct = 100 * programs * splits / split_slots(device, block_m)
+        if block_m > 64 and fill_pct < tiles.min_fill_pct_large:
+            rows_per_tile = choose_rows_per_tile(min(64, tiles.max_block_m), group, rows_hint)
     assert rows_per_tile >= 1
-    block_m = max(16, _next_pow2(rows_per_tile * _next_pow2(group)))  # tl.dot needs M >= 16
+    block_m, programs, num_splits = _tile_grid(device, rows_per_tile=rows_per_tile, **shape)
     large = block_m > 64
-    # Sequences of fewer rows than a tile still take a tile each.
-    est_tiles = max(triton.cdiv(num_rows, rows_per_tile), min(num_seqs, num_rows))
-    if num_splits is None:
-        num_splits = choose_num_splits(
-            device, est_tiles, num_kv_heads, max_kv_len, block_m=block_m
-        )
-    assert num_splits >= 1
     if large:
-        block_n, num_warps, num_stages = (
-            tiles.block_n_large, tiles.num_warps_large, tiles.num_stages_large
-        )
+        block_n, num_warps = tiles.block_n_large, tiles.num_warps_large
+        num_stages = tiles.num_stages_large_split if num_splits > 1 else tiles.num_stages_large
     else:
         block_n, num_warps, num_stages = tiles.block_n, tiles.num_warps, tiles.num_stages
-        programs = max(1, est_tiles * num_kv_heads)
         if 1 < num_splits < split_slots(device, block_m) // programs:
             num_stages = tiles.num_stages_split
     return AttentionLaunch(

@@ -1,6 +1,7 @@
 """Benchmark of the verify-pass kernels on one GPU; writes a JSON record and prints a table.
 
     python -m kernels.bench --out DIR [--tune] [--quick] [--tiles block_n=64,num_stages=2]
+    python -m kernels.bench --out DIR --sweep [--shapes 16x8192x16x8,1x1024x16x8]
     python -m kernels.bench --render docs/perf/kernels.json   # Markdown tables of a record
 
 Verify attention is timed at contexts 1k/8k/32k, rows per sequence 1/8/16, batch 1/16/64,
@@ -16,7 +17,11 @@ each on the shapes its settings affect, adopts per class the setting of lowest g
 time, and runs the grid with the winners (the record's `attention_tiles` then say what to put
 in the arch table); `--tiles` overrides entries of this GPU's arch-table tiles for the whole
 run. Each shape's record carries its launch plan (tile, splits, warps, stages) and, for split
-launches, the time of the merge kernel alone. Every
+launches, the time of the merge kernel alone. `--sweep` checks the tile rules of
+`plan_launch` instead of running the grid: per shape (RULE_SHAPES or `--shapes`) it times every
+candidate launch the rules choose between (RULE_VARIANTS: 128- against 64- and 32-vector tiles,
+2 against 3 stages, shorter splits) and the launch the committed entry picks, each checked
+against SDPA, and writes sweep.json and sweep.md. Every
 kernel variant is compiled first in parallel worker processes (`kernels.bench_compile`), so the
 GPU machine's time goes to timing rather than to one-at-a-time compilation.
 """
@@ -39,7 +44,7 @@ import triton.testing
 from kernels import arch
 from kernels.accept import accept_greedy, accept_rejection
 from kernels.argmax import argmax_rows, topk_rows
-from kernels.attention import merge_splits, plan_launch, verify_attention
+from kernels.attention import merge_splits, plan_launch, split_slots, verify_attention
 from kernels.norms import rms_norm, silu_and_mul
 from kernels.rope_kv import rope_and_write_kv
 
@@ -92,6 +97,42 @@ SWEEP_PHASES = (
     (("large", LARGE_SHAPES, LARGE_CHANGES), ("split", SPLIT_SHAPES, SPLIT_CHANGES)),
 )
 
+# `--sweep`: per shape, the launch the committed table picks (`plan_launch`'s tile rules) and
+# every candidate those rules choose between, timed in one run. Shapes (batch, ctx, rows, GQA):
+# the ones the two rules of the Hopper entry decide, on both sides of each rule.
+RULE_SHAPES = (
+    (16, 8192, 16, 8),  # split, one wave: 2 stages for 128-vector tiles (3 stages: 58.5%)
+    (1, 1024, 16, 8),  # 128-vector grid at 6% of its slots: falls back to 64-vector tiles
+    (16, 8192, 8, 8),  # 64-vector tiles: neither rule applies
+    (64, 8192, 16, 8),  # unsplit, several waves: 3 stages
+    (16, 32768, 16, 8),  # split, one wave: 2 stages
+    (1, 1024, 8, 8),  # 64-vector tiles in a small grid: do 32-vector tiles or more splits help?
+    (1, 8192, 16, 8),  # 128-vector grid at 48% of its slots: falls back
+    (1, 32768, 16, 8),  # 97% of the slots: keeps 128-vector tiles, split: 2 stages
+    (16, 1024, 16, 8),  # 97% of the slots, split: 2 stages
+)
+# (label, changes to the entry) of each candidate. The 128-vector ones switch the fallback off
+# so they keep 128-vector tiles wherever 16 rows x GQA 8 ask for them; stage counts are forced
+# for split and unsplit launches alike; "min split 128" lets short contexts split 4x further.
+_VEC128 = {"max_block_m": 128, "min_fill_pct_large": 0}
+RULE_VARIANTS: tuple[tuple[str, dict], ...] = (
+    ("128 vec 2 st", {**_VEC128, "num_stages_large": 2, "num_stages_large_split": 2}),
+    ("128 vec 3 st", {**_VEC128, "num_stages_large": 3, "num_stages_large_split": 3}),
+    ("64 vec 2 st", {"max_block_m": 64, "num_stages": 2, "num_stages_split": 2}),
+    ("64 vec 3 st", {"max_block_m": 64, "num_stages": 3, "num_stages_split": 3}),
+    ("32 vec 2 st", {"max_block_m": 32, "num_stages": 2, "num_stages_split": 2}),
+    (
+        "128 vec 2 st min split 128",
+        {**_VEC128, "num_stages_large": 2, "num_stages_large_split": 2, "min_split_len": 128},
+    ),
+    (
+        "64 vec 3 st min split 128",
+        {"max_block_m": 64, "num_stages": 3, "num_stages_split": 3, "min_split_len": 128},
+    ),
+)
+PICKED = "picked"  # the label of the committed entry's own launch
+BAD_REL_ERR = 1e-2  # bf16 against SDPA: the full grid measured 7.4e-4 to 3.0e-3
+
 
 def time_ms(fn, rep_ms: int = REP_MS) -> float:
     """Median ms of graph replays; eager do_bench if capture fails (recorded as such)."""
@@ -123,11 +164,13 @@ def set_attention_tiles(device: torch.device, **changes) -> None:
 class KvPool:
     """One big paged cache reused by every shape; block tables scatter pages at random."""
 
-    def __init__(self, device: torch.device, num_tokens: int):
+    def __init__(
+        self, device: torch.device, num_tokens: int, dtype: torch.dtype = torch.bfloat16
+    ):
         num_blocks = num_tokens // PAGE_SIZE
         shape = (num_blocks, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        self.k_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
-        self.v_cache = torch.randn(shape, device=device, dtype=torch.bfloat16)
+        self.k_cache = torch.randn(shape, device=device, dtype=dtype)
+        self.v_cache = torch.randn(shape, device=device, dtype=dtype)
         self.device = device
 
     def batch(self, batch: int, ctx: int, rows: int, gqa: int, seed: int = 0):
@@ -136,7 +179,7 @@ class KvPool:
         perm = torch.randperm(batch * pages_per_seq, generator=gen)
         block_tables = perm.view(batch, pages_per_seq).to(torch.int32).to(self.device)
         q = torch.randn(batch * rows, NUM_KV_HEADS * gqa, HEAD_DIM, generator=gen)
-        q = q.to(device=self.device, dtype=torch.bfloat16)
+        q = q.to(device=self.device, dtype=self.k_cache.dtype)
         cu = torch.arange(0, batch + 1, dtype=torch.int32, device=self.device) * rows
         seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.device)
         return q, cu, seq_lens, block_tables
@@ -333,6 +376,236 @@ def tune_table(results: list[dict]) -> str:
     return "\n\n".join(tables)
 
 
+def launch_of(device: torch.device, batch: int, ctx: int, rows: int, gqa: int):
+    """The launch `verify_attention` makes for a benchmark batch under the current entry."""
+    return plan_launch(
+        device,
+        num_rows=batch * rows,
+        num_seqs=batch,
+        num_q_heads=NUM_KV_HEADS * gqa,
+        num_kv_heads=NUM_KV_HEADS,
+        max_kv_len=ctx,
+        max_q_len=rows,
+    )
+
+
+def large_grid_fill_pct(device: torch.device, batch: int, ctx: int, rows: int, gqa: int) -> float:
+    """Percent of the program slots the shape's grid of 128-vector tiles would fill (the
+    fallback rule's measure) under the current entry; 0 when the shape has smaller tiles."""
+    base = arch.arch_config(device).attention
+    set_attention_tiles(device, min_fill_pct_large=0)
+    try:
+        launch = launch_of(device, batch, ctx, rows, gqa)
+    finally:
+        set_attention_tiles(device, **dataclasses.asdict(base))
+    if launch.block_m <= 64:
+        return 0.0
+    tiles = max(triton.cdiv(batch * rows, launch.rows_per_tile), batch)  # as plan_launch counts
+    programs = tiles * NUM_KV_HEADS * launch.num_splits
+    return 100 * programs / split_slots(device, launch.block_m)
+
+
+def rule_candidates(
+    device: torch.device, shape: tuple[int, int, int, int], variants=RULE_VARIANTS
+) -> list[dict]:
+    """One entry per variant and one for the committed entry (last, label PICKED): label,
+    changes, launch and `same_as`, the first earlier label with an identical launch (whose
+    timing it shares), or None where the launch is new."""
+    base = arch.arch_config(device).attention
+    seen: dict[str, str] = {}
+    found = []
+    for label, changes in (*variants, (PICKED, {})):
+        set_attention_tiles(device, **changes)
+        try:
+            launch = dataclasses.asdict(launch_of(device, *shape))
+        finally:
+            set_attention_tiles(device, **dataclasses.asdict(base))
+        key = json.dumps(launch, sort_keys=True)
+        same_as = seen.get(key)
+        found.append({"label": label, "changes": changes, "launch": launch, "same_as": same_as})
+        seen.setdefault(key, label)
+    return found
+
+
+def sweep_rule_shape(
+    pool: KvPool, shape: tuple[int, int, int, int], copy_tbps: float, variants=RULE_VARIANTS
+) -> dict:
+    """Times every distinct candidate launch of one shape and checks its output against SDPA."""
+    device = pool.device
+    batch, ctx, rows, gqa = shape
+    q, cu, seq_lens, bt = pool.batch(batch, ctx, rows, gqa)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    k, v = pool.gathered(bt, ctx)
+    ref = sdpa_fn(q, k, v, rows, gqa, scale)()  # [B, Hkv, rows*gqa, D]
+    ref = ref.view(batch, NUM_KV_HEADS, rows, gqa, HEAD_DIM).permute(0, 2, 1, 3, 4)
+    ref = ref.reshape(batch * rows, NUM_KV_HEADS * gqa, HEAD_DIM).float()
+    del k, v
+    kv_bytes = batch * ctx * NUM_KV_HEADS * HEAD_DIM * 2 * 2
+    rec = {
+        "batch": batch,
+        "ctx": ctx,
+        "rows": rows,
+        "gqa": gqa,
+        "kv_bytes": kv_bytes,
+        "large_fill_pct": large_grid_fill_pct(device, *shape),
+    }
+    base = arch.arch_config(device).attention
+    candidates = rule_candidates(device, shape, variants)
+    by_label: dict[str, dict] = {}
+    for cand in candidates:
+        if cand["same_as"] is not None:
+            shared = by_label[cand["same_as"]]
+            keys = ("ms", "frac_copy", "rel_err", "error")
+            cand.update({k: shared[k] for k in keys if k in shared})
+            by_label[cand["label"]] = cand
+            continue
+        set_attention_tiles(device, **cand["changes"])
+        out = torch.full_like(q, float("nan"))
+
+        def run(out=out):
+            return verify_attention(
+                q, pool.k_cache, pool.v_cache, cu, seq_lens, bt, scale, out, max_q_len=rows
+            )
+
+        try:
+            run()
+            cand["rel_err"] = float((out.float() - ref).norm() / ref.norm())
+            cand["ms"] = time_ms(run)
+            cand["frac_copy"] = kv_bytes / (cand["ms"] * 1e-3) / 1e12 / copy_tbps
+        except Exception as exc:  # recorded; the other candidates still run
+            cand["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            set_attention_tiles(device, **dataclasses.asdict(base))
+        by_label[cand["label"]] = cand
+    rec["candidates"] = candidates
+    picked = candidates[-1]
+    if "ms" in picked:  # the pick (the entry as committed) timed again: this run's spread
+        out = torch.empty_like(q)
+        rec["picked_again_ms"] = time_ms(
+            lambda: verify_attention(
+                q, pool.k_cache, pool.v_cache, cu, seq_lens, bt, scale, out, max_q_len=rows
+            )
+        )
+    timed = [c for c in candidates if "ms" in c]
+    if timed:
+        best = min(timed, key=lambda c: c["ms"])
+        rec["best"] = best["label"] if best["same_as"] is None else best["same_as"]
+        if "ms" in picked:
+            rec["picked_vs_best"] = best["ms"] / picked["ms"]  # 1.0: the rule chose the best
+    return rec
+
+
+def _is_bad(candidate: dict) -> bool:
+    """Failed to run, or off against SDPA (a NaN error counts as off)."""
+    return "error" in candidate or not candidate.get("rel_err", math.nan) <= BAD_REL_ERR
+
+
+def rule_sweep_failures(records: list[dict]) -> list[str]:
+    """Candidates that failed to run or whose output is off against SDPA."""
+    bad = []
+    for r in records:
+        for c in r["candidates"]:
+            if _is_bad(c):
+                bad.append(f"b{r['batch']} {r['ctx']} r{r['rows']} GQA{r['gqa']} {c['label']}")
+    return bad
+
+
+def _launch_text(launch: dict) -> str:
+    return f"{launch['block_m']} vec, {launch['num_splits']} spl, {launch['num_stages']} st"
+
+
+def _shape_text(r: dict) -> str:
+    ctx = f"{r['ctx'] // 1024}k" if r["ctx"] % 1024 == 0 else str(r["ctx"])
+    return f"b{r['batch']} {ctx} r{r['rows']} GQA{r['gqa']}"
+
+
+def _timing_text(c: dict) -> str:
+    if "ms" not in c:
+        return "error"
+    return f"{100 * c['frac_copy']:.1f}% ({c['ms'] * 1e3:.1f})"
+
+
+def rule_sweep_table(records: list[dict]) -> str:
+    """Markdown: per shape the committed pick against the best candidate, then every distinct
+    launch with the candidates that make it (tile = query vectors per program, splits, stages)."""
+    lines = [
+        "| shape | 128-vec fill | picked | % of copy (us) | again (us) | best | % of copy (us) "
+        "| best / picked time |",
+        "|---|---:|---|---:|---:|---|---:|---:|",
+    ]
+    for r in records:
+        by_label = {c["label"]: c for c in r["candidates"]}
+        picked = by_label[PICKED]
+        best = by_label.get(r.get("best", ""), {})
+        fill = f"{r['large_fill_pct']:.0f}%" if r["large_fill_pct"] else "-"
+        again = f"{r['picked_again_ms'] * 1e3:.1f}" if "picked_again_ms" in r else "-"
+        ratio = f"{r['picked_vs_best']:.3f}" if "picked_vs_best" in r else "-"
+        best_launch = _launch_text(best["launch"]) if best else "-"
+        lines.append(
+            f"| {_shape_text(r)} | {fill} | {_launch_text(picked['launch'])} "
+            f"| {_timing_text(picked)} | {again} | {best_launch} | {_timing_text(best)} "
+            f"| {ratio} |"
+        )
+    lines += [
+        "",
+        "| shape | launch | candidates | % of copy (us) | rel. err vs SDPA |",
+        "|---|---|---|---:|---:|",
+    ]
+    for r in records:
+        for c in r["candidates"]:
+            if c["same_as"] is not None:
+                continue
+            same = [d for d in r["candidates"] if c["label"] in (d["label"], d["same_as"])]
+            names = [d["label"] for d in same]
+            err = f"{c['rel_err']:.1e}" if "rel_err" in c else c.get("error", "")[:80]
+            if _is_bad(c):
+                err += " BAD"
+            lines.append(
+                f"| {_shape_text(r)} | {_launch_text(c['launch'])} | {'; '.join(names)} "
+                f"| {_timing_text(c)} | {err} |"
+            )
+    return "\n".join(lines)
+
+
+def run_rule_sweep(
+    device: torch.device, out_dir: Path, shapes: list[tuple[int, int, int, int]], record: dict
+) -> int:
+    """`--sweep`: compiles every distinct candidate launch in parallel, then times them shape by
+    shape; writes sweep.json (after every shape) and sweep.md. Exit status 1 when a candidate
+    failed or was off against SDPA."""
+    from kernels import bench_compile  # imports this module: loaded here to avoid a cycle
+
+    record["sweep_shapes"] = shapes
+    record["sweep_variants"] = [list(v) for v in RULE_VARIANTS]
+    record["sweep_rep_ms"] = REP_MS
+    pairs = []
+    for shape in shapes:
+        for cand in rule_candidates(device, shape):
+            if cand["same_as"] is None:
+                pairs.append((cand["changes"], (shape,)))
+    record["sweep_compile"] = bench_compile.compile_all(device, [], pairs, small=False)
+    print("compile", json.dumps(record["sweep_compile"]), flush=True)
+    pool = KvPool(device, max(batch * ctx for batch, ctx, _, _ in shapes))
+    record["sweep"] = []
+    for shape in shapes:
+        rec = sweep_rule_shape(pool, shape, record["copy_tbps"])
+        record["sweep"].append(rec)
+        print("sweep", json.dumps(rec), flush=True)
+        (out_dir / "sweep.json").write_text(json.dumps(record, indent=1))
+    table = rule_sweep_table(record["sweep"])
+    failures = rule_sweep_failures(record["sweep"])
+    note = (
+        f"{record['gpu']} {record['date_utc']} UTC, copy {record['copy_tbps']:.3f} TB/s; "
+        f"% of copy bandwidth (us), median of CUDA-graph replays of {REP_MS} ms"
+    )
+    text = f"{note}\n\n{table}\n"
+    if failures:
+        text += "\nFAILED (error or rel. error > 1e-2 against SDPA): " + "; ".join(failures) + "\n"
+    (out_dir / "sweep.md").write_text(text)
+    print(text, flush=True)
+    return 1 if failures else 0
+
+
 def bench_small_kernels(device: torch.device) -> list[dict]:
     """Norms, RoPE, argmax/top-k and accept against their torch counterparts."""
     res = []
@@ -456,6 +729,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="batch 1 and 16, 8k and 32k only")
     ap.add_argument("--tiles", default="", help="arch-table tile changes: block_n=64,num_stages=2")
     ap.add_argument("--no-baselines", action="store_true", help="skip the full grid (tune only)")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time the tile rules' candidate launches and the committed pick (sweep.json/.md)",
+    )
+    ap.add_argument(
+        "--shapes",
+        default="",
+        help="shapes of --sweep as BATCHxCTXxROWSxGQA, comma-separated (default RULE_SHAPES)",
+    )
     args = ap.parse_args(argv)
     if args.render:
         print(markdown_tables(json.loads(args.render.read_text())))
@@ -480,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
     record["copy_tbps"] = copy_bandwidth_tbps(device)
     print(f"{record['gpu']}  copy (read+write) {record['copy_tbps']:.3f} TB/s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        record["attention_tiles"] = dataclasses.asdict(arch.arch_config(device).attention)
+        shapes = parse_shapes(args.shapes) or list(RULE_SHAPES)
+        return run_rule_sweep(device, args.out, shapes, record)
 
     def save() -> None:  # after every stage, so a run cut short still leaves its numbers
         (args.out / "kernels.json").write_text(json.dumps(record, indent=1))
@@ -538,6 +825,18 @@ def parse_tiles(text: str) -> dict[str, int]:
             raise ValueError(f"unknown tile field {name!r}; known: {sorted(fields)}")
         changes[name] = int(value)
     return changes
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """'16x8192x16x8,1x1024x16x8' -> [(16, 8192, 16, 8), (1, 1024, 16, 8)]: batch, context,
+    rows per sequence, GQA; the context a multiple of the page size."""
+    shapes = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        fields = tuple(int(x) for x in item.lower().split("x"))
+        if len(fields) != 4 or min(fields) < 1 or fields[1] % PAGE_SIZE:
+            raise ValueError(f"shape {item!r}: want BATCHxCTXxROWSxGQA, CTX a multiple of 16")
+        shapes.append(fields)
+    return shapes
 
 
 def markdown_tables(record: dict) -> str:

@@ -28,7 +28,8 @@ _SHARED_PER_SM = 228 * 1024  # of which each resident block reserves 1 KB
 _INT_PTRS = ("cu_q_lens_ptr", "seq_lens_ptr", "block_tables_ptr")
 
 # (batch, ctx, rows, GQA) of the benchmark: tiles of 16, 32, 64 and 128 query vectors without
-# a split, and the split launches of batch 1 at long context.
+# a split, the split launches of batch 1 at long context, a split launch of 128-vector tiles
+# filling the slots (2 stages), and 16 rows x GQA 8 in a grid too small for 128-vector tiles.
 SHAPES = (
     (64, 8192, 1, 4),
     (64, 8192, 8, 4),
@@ -37,6 +38,8 @@ SHAPES = (
     (1, 32768, 1, 4),
     (1, 32768, 8, 8),
     (1, 32768, 16, 8),
+    (16, 8192, 16, 8),
+    (1, 1024, 16, 8),
 )
 
 

@@ -178,9 +178,10 @@ def test_splits_never_spill_into_a_partial_wave(num_tiles, num_kv_heads, max_kv_
 
 
 def _sweep_changes() -> list[dict]:
-    from kernels.bench import SWEEP_PHASES, sweep_tasks
+    from kernels.bench import RULE_VARIANTS, SWEEP_PHASES, sweep_tasks
 
     changes = [c for phase in SWEEP_PHASES for c, _ in sweep_tasks(phase)]
+    changes += [c for _, c in RULE_VARIANTS]  # the candidates of `--sweep`
     # Winners of different classes combine: one case with every switch and large tiles on.
     changes.append(
         {

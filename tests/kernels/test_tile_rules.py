@@ -1,0 +1,234 @@
+"""The shape rules of `plan_launch` for tiles of more than 64 query vectors: stages by split,
+the fall back to 64-vector tiles when their grid fills too few program slots, the kernel's
+results on the paths those rules choose, and the benchmark's sweep that times the candidates."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels import arch, bench
+from kernels.attention import choose_rows_per_tile, plan_launch, split_slots
+from tests.kernels.paged import check_attention, ragged_batch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+H200_SMS = 132
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """Plans on the CPU as on an H200: the Hopper entry and 132 SMs. The entry is restored."""
+
+    @functools.lru_cache(maxsize=4)  # bench.set_attention_tiles clears it after an edit
+    def config_for(device_type: str, index: int):
+        return arch.FAMILY_CONFIGS["hopper"], H200_SMS
+
+    saved = arch.FAMILY_CONFIGS["hopper"]
+    monkeypatch.setattr(arch, "_config_for", config_for)
+    yield torch.device("cpu")
+    arch.FAMILY_CONFIGS["hopper"] = saved
+
+
+@pytest.fixture
+def tiles():
+    """Edits the attention tiles of the entry this device uses; restores them afterwards."""
+    device = torch.device(DEV)
+    family = arch.arch_config(device).family
+    saved = arch.FAMILY_CONFIGS[family]
+
+    def set_tiles(**changes):
+        arch.FAMILY_CONFIGS[family] = dataclasses.replace(
+            saved, attention=dataclasses.replace(saved.attention, **changes)
+        )
+        arch._config_for.cache_clear()
+        return arch.arch_config(device).attention
+
+    yield set_tiles
+    arch.FAMILY_CONFIGS[family] = saved
+    arch._config_for.cache_clear()
+
+
+def _plan(device, batch, ctx, rows, gqa, **kwargs):
+    return plan_launch(
+        device,
+        num_rows=batch * rows,
+        num_seqs=batch,
+        num_q_heads=8 * gqa,
+        num_kv_heads=8,
+        max_kv_len=ctx,
+        max_q_len=rows,
+        **kwargs,
+    )
+
+
+# (batch, ctx, rows, GQA) -> (query vectors per tile, splits, stages) the Hopper entry picks.
+H200_PICKS = {
+    (1, 1024, 16, 8): (64, 2, 3),  # 128-vector grid: 16 of 264 slots -> 64-vector tiles
+    (1, 8192, 16, 8): (64, 16, 2),  # 128 of 264 slots (48%) -> 64-vector tiles
+    (8, 1024, 16, 8): (64, 2, 2),  # 128 of 264 -> 64-vector tiles
+    (1, 32768, 16, 8): (128, 32, 2),  # 256 of 264: 128-vector tiles, split: 2 stages
+    (16, 1024, 16, 8): (128, 2, 2),
+    (16, 8192, 16, 8): (128, 2, 2),
+    (16, 32768, 16, 8): (128, 2, 2),
+    (64, 8192, 16, 8): (128, 1, 3),  # unsplit, two waves: 3 stages
+    (16, 8192, 8, 8): (64, 2, 2),  # 64-vector tiles: neither rule applies
+    (1, 1024, 8, 8): (64, 2, 3),
+}
+
+
+@pytest.mark.parametrize(("shape", "pick"), list(H200_PICKS.items()), ids=str)
+def test_hopper_picks(h200, shape, pick):
+    launch = _plan(h200, *shape)
+    assert (launch.block_m, launch.num_splits, launch.num_stages) == pick
+    assert launch.num_warps == (8 if launch.block_m > 64 else 4)
+    assert launch.max_regs == (128 if launch.block_m > 64 else 0)
+
+
+def test_a_given_tile_or_split_count_is_kept(h200):
+    # Rows per tile given by the caller: no fall back, however small the grid.
+    forced = _plan(h200, 1, 1024, 16, 8, rows_per_tile=16)
+    assert forced.block_m == 128 and forced.num_stages == 2
+    # A given split count is the grid's: 8 programs x 32 splits fill 97% of the slots.
+    assert _plan(h200, 1, 1024, 16, 8, num_splits=32).block_m == 128
+    unsplit = _plan(h200, 1, 32768, 16, 8, num_splits=1)  # 8 of 264 slots
+    assert (unsplit.block_m, unsplit.num_splits) == (64, 1)
+
+
+# The fixture only patches the device lookup; the test restores the entry it edits.
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    # small batches and short contexts are where 128-vector grids fill few slots
+    batch=st.one_of(st.integers(1, 8), st.integers(1, 80)),
+    pages=st.one_of(st.integers(1, 128), st.integers(1, 4096)),
+    rows=st.integers(1, 16),
+    gqa=st.sampled_from([1, 2, 4, 8, 16]),
+)
+def test_rules_against_the_plan_without_them(h200, batch, pages, rows, gqa):
+    ctx = 16 * pages
+    picked = _plan(h200, batch, ctx, rows, gqa)
+    entry = dataclasses.asdict(arch.arch_config(h200).attention)
+    bench.set_attention_tiles(h200, min_fill_pct_large=0)
+    try:
+        plain = _plan(h200, batch, ctx, rows, gqa)  # 128-vector tiles wherever they fit
+    finally:
+        bench.set_attention_tiles(h200, **entry)
+    if plain.block_m <= 64:
+        assert picked == plain  # small tiles: untouched
+        return
+    programs = max(-(-batch * rows // plain.rows_per_tile), batch) * 8 * plain.num_splits
+    fills = 100 * programs >= 50 * split_slots(h200, plain.block_m)
+    if fills:
+        assert picked == plain
+        assert picked.num_stages == (2 if picked.num_splits > 1 else 3)
+    else:
+        assert picked.rows_per_tile == choose_rows_per_tile(64, gqa, rows) < plain.rows_per_tile
+        assert picked.block_m == 64 and picked.num_warps == 4
+
+
+def test_fall_back_computes_the_same_attention(tiles):
+    # One sequence of 16 rows x GQA 8: one 128-vector program x 2 splits fills 2 of the
+    # interpreter's 4 large slots, under the 75% asked here, so it runs as two 64-vector tiles
+    # (rows 0-7 and 8-15), each split in 2 and merged.
+    tiles(
+        max_block_m=128, min_fill_pct_large=75, block_n_large=16, programs_per_sm_large=1,
+        min_split_len=16, max_splits=2,
+    )  # fmt: skip
+    batch = ragged_batch(
+        [16], [70], num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=8,
+        dtype=torch.float32, device=DEV,
+    )  # fmt: skip
+    launch = plan_launch(
+        torch.device(DEV), num_rows=16, num_seqs=1, num_q_heads=8, num_kv_heads=1,
+        max_kv_len=batch[5].shape[1] * 8, max_q_len=16,
+    )  # fmt: skip
+    assert (launch.rows_per_tile, launch.block_m, launch.num_splits) == (8, 64, 2)
+    check_attention(batch, max_q_len=16)
+
+
+def test_large_split_launch_computes_the_same_attention(tiles):
+    # Two sequences of 16 rows x GQA 8 and a padded one: 3 programs (one per sequence) x 2
+    # splits fill 6 of the 8 large slots, so 128-vector tiles stay, split, at the split
+    # launches' stage count.
+    t = tiles(
+        max_block_m=128, min_fill_pct_large=75, block_n_large=16, programs_per_sm_large=2,
+        min_split_len=16, max_splits=2, num_stages_large=3, num_stages_large_split=2,
+    )  # fmt: skip
+    batch = ragged_batch(
+        [16, 16, 0], [70, 9, 0], num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=8,
+        dtype=torch.float32, device=DEV, pad_rows=3,
+    )  # fmt: skip
+    launch = plan_launch(
+        torch.device(DEV), num_rows=35, num_seqs=3, num_q_heads=8, num_kv_heads=1,
+        max_kv_len=batch[5].shape[1] * 8, max_q_len=16,
+    )  # fmt: skip
+    assert (launch.block_m, launch.num_splits) == (128, 2)
+    assert launch.num_stages == t.num_stages_large_split
+    check_attention(batch, pad_rows=3, max_q_len=16)
+
+
+def test_sweep_candidates_share_identical_launches(h200):
+    by_shape = {shape: bench.rule_candidates(h200, shape) for shape in bench.RULE_SHAPES}
+    for shape, cands in by_shape.items():
+        labels = [c["label"] for c in cands]
+        assert labels == [label for label, _ in bench.RULE_VARIANTS] + [bench.PICKED]
+        first = {}
+        for c in cands:
+            key = str(sorted(c["launch"].items()))
+            assert c["same_as"] == first.get(key)  # the first earlier label with this launch
+            first.setdefault(key, c["label"])
+        picked = cands[-1]["launch"]
+        assert (picked["block_m"], picked["num_splits"], picked["num_stages"]) == H200_PICKS[shape]
+    # Each rule's pick is one of the candidates it chose between.
+    same = {shape: cands[-1]["same_as"] for shape, cands in by_shape.items()}
+    assert same[(1, 1024, 16, 8)] == "64 vec 3 st"
+    assert same[(1, 8192, 16, 8)] == "64 vec 2 st"
+    assert same[(16, 8192, 16, 8)] == "128 vec 2 st"
+    assert same[(64, 8192, 16, 8)] == "128 vec 3 st"
+    assert bench.large_grid_fill_pct(h200, 1, 8192, 16, 8) == pytest.approx(100 * 128 / 264)
+    assert bench.large_grid_fill_pct(h200, 16, 8192, 8, 8) == 0.0
+    assert arch.FAMILY_CONFIGS["hopper"].attention.min_fill_pct_large == 50  # restored
+
+
+def test_sweep_runs_checks_and_reports(tiles, monkeypatch, tmp_path):
+    # The sweep's flow on a tiny fp32 pool (the interpreter has no bf16): every distinct launch
+    # runs and is checked against SDPA; timings are stand-ins.
+    tiles(block_n=16, block_n_large=16, min_split_len=16)
+    calls = []
+
+    def fake_time_ms(fn, rep_ms=bench.REP_MS):
+        fn()
+        calls.append(fn)
+        return 0.01 * len(calls)
+
+    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    device = torch.device(DEV)
+    pool = bench.KvPool(device, 4 * 48, dtype=torch.float32)
+    variants = bench.RULE_VARIANTS[1:3]  # 128 vec 3 stages, 64 vec 2 stages
+    rec = bench.sweep_rule_shape(pool, (2, 48, 16, 8), 1.0, variants)
+    labels = [c["label"] for c in rec["candidates"]]
+    assert labels == ["128 vec 3 st", "64 vec 2 st", bench.PICKED]
+    distinct = [c for c in rec["candidates"] if c["same_as"] is None]
+    assert len(calls) == len(distinct) + 1  # and the pick once more
+    for c in rec["candidates"]:
+        assert c["rel_err"] < 1e-5 and "error" not in c
+    assert rec["best"] == "128 vec 3 st"  # the stand-in timings grow call by call
+    assert bench.rule_sweep_failures([rec]) == []
+    table = bench.rule_sweep_table([rec])
+    assert table.count("\n| b2 48 r16 GQA8 |") == 1 + len(distinct)  # summary, launches
+    rec["candidates"][0]["rel_err"] = float("nan")
+    assert bench.rule_sweep_failures([rec]) == ["b2 48 r16 GQA8 128 vec 3 st"]
+
+
+def test_parse_shapes():
+    assert bench.parse_shapes("") == []
+    assert bench.parse_shapes("16x8192x16x8, 1X1024x16x8") == [(16, 8192, 16, 8), (1, 1024, 16, 8)]
+    for bad in ("16x8192x16", "16x8190x16x8", "0x1024x1x1"):
+        with pytest.raises(ValueError, match="BATCHxCTXxROWSxGQA"):
+            bench.parse_shapes(bad)
