@@ -53,6 +53,7 @@ class AcceptLaunch:
 
     logits: torch.Tensor  # [L, V] penalised logits (logprobs are computed from them)
     packed: torch.Tensor  # [4, L] int64 host tensor (pinned on a GPU), filled by the copy
+    packed_dev: torch.Tensor  # [4, L] int64 on the device: the same results before the copy
     event: torch.cuda.Event | None  # recorded after the copy; None on a CPU (already done)
     has_draws: bool  # rows _DRAW.. hold data (some row samples)
     has_rejection: bool  # rows _ACCEPT/_RESIDUAL hold data (drafts with a distribution)
@@ -99,7 +100,7 @@ def launch_accept(
         event.record()
     else:
         packed = packed_dev
-    return AcceptLaunch(logits, packed, event, has_draws, has_rejection)
+    return AcceptLaunch(logits, packed, packed_dev, event, has_draws, has_rejection)
 
 
 def finish_accept(launch: AcceptLaunch) -> np.ndarray:

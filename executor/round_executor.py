@@ -19,6 +19,13 @@ Per round:
 `finish(pending)` waits for the copy, walks the accepted prefixes (array work) and commits. The
 engine does the previous round's per-output work in between. `run = finish(launch(plan))`.
 
+Rounds ahead: an AR-only decode round (no drafts, no prefill, no penalties or logprobs) can be
+`advance`d once launched: each of its requests is then taken to have computed one more token, and
+the next round may be launched before this one finishes. That next round's rows for those
+requests read their input token straight from this round's sampled tokens on the device, so the
+host's work between rounds (finish, the scheduler's update and plan, the batch build) overlaps the
+device's forward instead of leaving it idle. Rounds still finish in launch order.
+
 Invariant per decoding slot: `num_computed == len(context) - 1` (the last token's KV is written by
 the round that feeds it).
 """
@@ -145,6 +152,9 @@ class PendingRound:
     num_padded: int = 0
     num_kv_tokens: int = 0
     bucket: int = 0
+    greedy_dev: torch.Tensor | None = None  # [L] bool on the device: the row decodes greedily
+    # advanced (see `RoundExecutor.advance`): [n] the token each row emits, on the device
+    tokens_dev: torch.Tensor | None = None
 
 
 class RoundExecutor:
@@ -193,6 +203,10 @@ class RoundExecutor:
         if drafter is not None and hasattr(drafter, "bind_block_tables"):
             # a model drafter keeps its KV under the same block ids: it reads this table
             drafter.bind_block_tables(self.block_tables)
+        # The advanced round in flight, and per slot its row there (-1: none).
+        self._ahead: PendingRound | None = None
+        self._ahead_row = np.full(max_slots, -1, dtype=np.int64)
+        self._last_end = 0.0  # when the last finish() ended (the period of overlapped rounds)
         self.sampler = RowSampler(target.config.vocab_size, self.device, base_seed, max_slots)
         self.base_seed = base_seed
         self.sync_phases = sync_phases and self.device.type == "cuda"
@@ -217,6 +231,7 @@ class RoundExecutor:
     def _apply_setup_release(self, plan: RoundPlan) -> None:
         for slot in plan.release:
             self.slot_req[slot] = -1
+            self._ahead_row[slot] = -1
             self.sampler.release_slot(slot)
             if self.drafter is not None:
                 self.drafter.release(slot)
@@ -227,6 +242,7 @@ class RoundExecutor:
                 raise ValueError(f"slot {slot}: context of {len(context)} tokens exceeds the limit")
             prompt_len = len(context) - s.num_output_tokens
             self.slot_req[slot] = s.req_id
+            self._ahead_row[slot] = -1
             self.num_computed[slot] = 0
             self.context_len[slot] = len(context)
             self.tokens[slot, : len(context)] = context
@@ -349,6 +365,17 @@ class RoundExecutor:
         input_ids = np.empty(num_rows, dtype=np.int64)  # [R]
         dec_slots = dec.slots
         input_ids[group_rows[:n]] = self.tokens[dec_slots, self.context_len[dec_slots] - 1]
+        # rows whose input token is still on the device (sampled by the advanced round)
+        ahead_src = self._ahead_row[dec_slots] if self._ahead is not None else None
+        ahead_dst = None
+        if ahead_src is not None:
+            from_dev = np.flatnonzero(ahead_src >= 0)
+            if len(from_dev) and num_draft[from_dev].any():
+                raise RuntimeError(
+                    "a speculative row for a request whose last token is still on the device"
+                )
+            ahead_src = ahead_src[from_dev]
+            ahead_dst = group_rows[from_dev]
         is_draft = j[:num_dec_rows] > 0
         input_ids[:num_dec_rows][is_draft] = drafts_flat  # drafts in request order = row order
         for k, q in enumerate(prefills):
@@ -385,6 +412,9 @@ class RoundExecutor:
         host.add("block_tables", self.block_tables[slots, :max_blocks], np.int32)
         if num_logit < num_rows:
             host.add("logit_rows", logit_rows, np.int64)
+        if ahead_dst is not None and len(ahead_dst):
+            host.add("ahead_dst", ahead_dst, np.int64)
+            host.add("ahead_src", ahead_src, np.int64)
         row_greedy = self.greedy[row_slot]  # [L]
         floats = self.float_params[:, row_slot]  # [6, L]
         # greedy rows divide by 1.0 so that the division stays finite
@@ -403,6 +433,10 @@ class RoundExecutor:
         if with_probs:  # the logit rows the drafts' distributions belong to
             host.add("draft_rows", np.flatnonzero(has_next), np.int64)
         dev = host.upload()
+        if "ahead_dst" in dev:  # after the upload, in stream order: the tokens of the round ahead
+            dev["ids"].index_copy_(
+                0, dev["ahead_dst"], self._ahead.tokens_dev.index_select(0, dev["ahead_src"])
+            )
         meta = AttnMetadata(
             positions=dev["positions"],
             slot_mapping=dev["slot_mapping"],
@@ -471,6 +505,7 @@ class RoundExecutor:
             draft_rows,
         )
         p.slots, p.input_ids, p.group_rows = slots, input_ids, group_rows
+        p.greedy_dev = st.greedy
         p.sample_of = sample_of
         p.num_rows = num_rows
         p.num_padded = bucket or num_rows
@@ -478,6 +513,39 @@ class RoundExecutor:
         p.bucket = bucket
         p.t_launched = time.perf_counter()
         return p
+
+    def can_advance(self, p: PendingRound) -> bool:
+        """Whether the next round may be launched before `p` finishes: `p` is AR rows only
+        (no drafts, no prefill) whose tokens need nothing of the host (no penalties, whose
+        counts are committed on the host, and no logprobs, read from the logits the next
+        round's graph replay overwrites), and no other round is ahead."""
+        plan = p.plan
+        if self._ahead is not None or p.accept is None or plan.prefills:
+            return False
+        slots = p.slots
+        return (
+            len(slots) > 0
+            and not plan.decode.num_draft.any()
+            and not self.penalised[slots].any()
+            and bool((self.logprobs_k[slots] < 0).all())
+        )
+
+    def advance(self, p: PendingRound) -> None:
+        """Takes every request of the launched AR round `p` to have computed one more token, so
+        the next round can be launched before `p` finishes (its input tokens are gathered from
+        `p`'s sampled tokens on the device). `finish(p)` must still come before the next round's
+        finish."""
+        if not self.can_advance(p):
+            raise RuntimeError(f"round {p.plan.round_id} cannot be advanced")
+        acc = p.accept
+        n = len(p.slots)
+        tokens = acc.packed_dev[0, :n]  # [n] greedy argmax
+        if acc.has_draws:
+            tokens = torch.where(p.greedy_dev[:n], tokens, acc.packed_dev[1, :n])
+        p.tokens_dev = tokens
+        self.num_computed[p.slots] += 1
+        self._ahead = p
+        self._ahead_row[p.slots] = np.arange(n)
 
     def _sampling_tensors(self, dev, row_slot, greedy, mixed) -> SamplingTensors:
         """The rows' sampling parameters on the device, as views of the round's one upload."""
@@ -523,6 +591,12 @@ class RoundExecutor:
             )
         dec = plan.decode
         n = len(dec)
+        advanced = p.tokens_dev is not None
+        if self._ahead is not None and not advanced:
+            raise RuntimeError("rounds finish in launch order: the advanced round comes first")
+        if advanced:  # its one token per request was counted by advance()
+            self._ahead = None
+            self._ahead_row.fill(-1)
         t_wait0 = time.perf_counter()
         host = finish_accept(p.accept)  # the one wait for the device
         t_commit0 = time.perf_counter()
@@ -554,30 +628,36 @@ class RoundExecutor:
         num_emitted[p.sample_of] = 1
         tokens = np.concatenate([tokens_dec, sample_tokens]).astype(np.int64)
 
-        # 6. commit: committed lengths, contexts, counters
+        # 6. commit: committed lengths, contexts, counters, for the slots the round's requests
+        # still hold (a slot released since the launch of an advanced round has moved on)
+        req_ids = np.concatenate([dec.req_ids, [q.req_id for q in plan.prefills]])
+        own = self.slot_req[slots] == req_ids  # [m]
         is_dec = np.arange(m) < n
         rows_per = np.diff(p.group_rows)
-        self.num_computed[slots] += np.where(is_dec, 1 + accepted, rows_per)
+        if not advanced:
+            grown = np.where(is_dec, 1 + accepted, rows_per)
+            self.num_computed[slots] += np.where(own, grown, 0)
         starts = offsets(num_emitted)
+        kept = np.where(own, num_emitted, 0)
         tok_owner = np.repeat(np.arange(m), num_emitted)
         tok_slot = slots[tok_owner]
         tok_pos = self.context_len[tok_slot] + np.arange(len(tokens)) - starts[tok_owner]
-        if len(tok_pos) and int(tok_pos.max()) >= self.tokens.shape[1]:
+        tok_own = own[tok_owner]
+        if tok_own.any() and int(tok_pos[tok_own].max()) >= self.tokens.shape[1]:
             raise RuntimeError("a slot's context grew past the executor's max_model_len")
-        self.tokens[tok_slot, tok_pos] = tokens
-        self.context_len[slots] += num_emitted
-        for i in np.flatnonzero(self.penalised[slots] & (num_emitted > 0)).tolist():
+        self.tokens[tok_slot[tok_own], tok_pos[tok_own]] = tokens[tok_own]
+        self.context_len[slots] += kept
+        for i in np.flatnonzero(self.penalised[slots] & (kept > 0)).tolist():
             self.sampler.commit(int(slots[i]), tokens[starts[i] : starts[i + 1]].tolist())
         if self.drafter is not None:
             # drafters only hear about rounds in which they drafted: AR and prefill tokens
             # reach them through the context at their next proposal
-            for i in np.flatnonzero(dec.num_draft).tolist():
+            for i in np.flatnonzero(dec.num_draft & own[:n]).tolist():
                 s = int(slots[i])
                 self.drafter.commit(s, self.context(s), int(num_accepted[i]), int(dec.num_draft[i]))
         logprobs = self._logprobs(p, starts, tokens, num_emitted)
         drafted = np.zeros(m, dtype=np.int64)
         drafted[:n] = dec.num_draft
-        req_ids = np.concatenate([dec.req_ids, [q.req_id for q in plan.prefills]])
         out = Emitted.build(req_ids, num_emitted, tokens, drafted, accepted, logprobs)
         t_end = time.perf_counter()
         ms = 1e3
@@ -594,8 +674,11 @@ class RoundExecutor:
             # launching the acceptance, then waiting for its copy (the device's remaining work)
             accept_ms=(p.t_launched - p.t_acc0 + t_commit0 - t_wait0) * ms,
             commit_ms=(t_end - t_commit0) * ms,
-            total_ms=(t_end - p.t0) * ms,
+            # from launch, or from the previous finish for a round launched before it: the
+            # round's share of the wall time when rounds overlap
+            total_ms=(t_end - max(p.t0, self._last_end)) * ms,
         )
+        self._last_end = t_end
         return RoundResult(
             round_id=plan.round_id,
             out=out,

@@ -38,6 +38,11 @@ class EngineConfig:
     graphs: str = _f(
         "lazy", "CUDA/HIP graphs for decode rounds", choices=("lazy", "startup", "off")
     )
+    overlap_rounds: bool = _f(
+        True,
+        "launch an AR decode round before the previous one finishes (its tokens stay on the "
+        "device), so the host's work between rounds overlaps the device's",
+    )
     cost_profile: str = _f(
         "auto",
         "scheduler cost profile JSON; 'auto': the cached one for this set-up, else measured at "

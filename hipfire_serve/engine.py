@@ -206,6 +206,8 @@ class Engine:
         self._rounds: list[RoundStats] = []
         self._num_switches = 0
         self._pending: RoundDeltas | None = None  # the last round's deltas, not yet collected
+        # (plan, launched round, plan seconds) of an advanced AR round still running
+        self._ahead: tuple | None = None
         self.scheduler = self._make_scheduler(config.spec_mode, self._load_cost_model())
         if warmup:
             self._warmup()
@@ -422,10 +424,12 @@ class Engine:
                 self.scheduler.abort(req_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or self.scheduler.has_work()
+        return bool(self._requests) or self.scheduler.has_work() or self._ahead is not None
 
     # -- the round ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._ahead is not None:
+            return self._step_behind()
         outputs: dict[str, dict[int, CompletionOutput]] = {}
         t0 = time.perf_counter()
         plan = self.scheduler.plan(time.monotonic())
@@ -444,20 +448,73 @@ class Engine:
         # The previous round's per-output work, and the next round's speculation decision,
         # while the device runs this one.
         self._collect(outputs, self._take_pending())
+        return self._forget_finished(self._run_out(plan, launched, outputs, t1 - t0, t2))
+
+    def _step_behind(self) -> list[RequestOutput]:
+        """A step while an advanced AR round runs: plan and launch the next round behind it
+        (its AR rows read their input tokens from the running round on the device), then
+        finish the running round and hand out its outputs while the device runs the next."""
+        outputs: dict[str, dict[int, CompletionOutput]] = {}
+        prev_plan, prev, prev_plan_s = self._ahead
+        self._ahead = None
+        if not self.scheduler.may_plan_ahead():
+            # the policy wants speculation next, which needs the running round's tokens
+            self._finish(prev_plan, prev, outputs, prev_plan_s, 0.0)
+            self._collect(outputs, self._take_pending())
+            return self._forget_finished(self._outputs(outputs))
+        t0 = time.perf_counter()
+        plan = self.scheduler.plan(time.monotonic())
+        t1 = time.perf_counter()
+        launched, failed = None, False
+        if plan.num_reqs or plan.setup or plan.release:
+            try:
+                launched = self.executor.launch(plan)
+            except Exception:
+                log.exception(
+                    "round %d failed; failing its %d requests", plan.round_id, plan.num_reqs
+                )
+                failed = True
+        self._finish(prev_plan, prev, outputs, prev_plan_s, 0.0)
+        t2 = time.perf_counter()
+        self._collect(outputs, self._take_pending())
+        if failed:  # after the running round's update: rounds are updated in launch order
+            self._fail_round(plan, outputs)
+        if launched is None:
+            return self._forget_finished(self._outputs(outputs))
+        return self._forget_finished(self._run_out(plan, launched, outputs, t1 - t0, t2))
+
+    def _run_out(self, plan: RoundPlan, launched, outputs, plan_s: float, t_launched: float):
+        """The rest of a step once `plan` is launched and the earlier outputs are collected
+        into `outputs`: either leave an AR-only round running with its tokens counted (the next
+        step plans behind it), or finish it. Returns the step's outputs."""
         ready = self._outputs(outputs)
+        if self.config.overlap_rounds and self.executor.can_advance(launched):
+            self.executor.advance(launched)
+            self.scheduler.advance(plan)
+            self._ahead = (plan, launched, plan_s)
+            self.scheduler.prepare_decision()
+            return ready
         self.scheduler.prepare_decision()
         t3 = time.perf_counter()
+        if not self._finish(plan, launched, outputs, plan_s, t3 - t_launched):
+            return self._outputs(outputs)  # the collected outputs and the failed requests
+        return ready
+
+    def _finish(self, plan: RoundPlan, launched, outputs, plan_s: float, collect_s: float) -> bool:
+        """Waits for a launched round and hands its result to the scheduler; its deltas wait
+        in `_pending` for the next collection. On failure the round's requests fail (into
+        `outputs`) and False is returned."""
         try:
             result = self.executor.finish(launched)
         except Exception:
             log.exception("round %d failed; failing its %d requests", plan.round_id, plan.num_reqs)
-            self._fail_round(plan, outputs)  # merged into this step's outputs
-            return self._forget_finished(self._outputs(outputs))
+            self._fail_round(plan, outputs)
+            return False
         t4 = time.perf_counter()
         self._pending = self.scheduler.update(result, time.monotonic())
         t5 = time.perf_counter()
-        self._record_round(plan, result, plan_s=t1 - t0, collect_s=t3 - t2, update_s=t5 - t4)
-        return self._forget_finished(ready)
+        self._record_round(plan, result, plan_s=plan_s, collect_s=collect_s, update_s=t5 - t4)
+        return True
 
     def _take_pending(self) -> RoundDeltas | None:
         pending, self._pending = self._pending, None

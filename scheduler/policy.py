@@ -200,9 +200,8 @@ class AdaptivePolicy:
             view.rate_bar,
         )
         num_spec = int(np.count_nonzero(choice.num_draft))
-        gain = (choice.predicted_tokens / choice.predicted_ms) / (
-            choice.ar_tokens / choice.ar_ms
-        ) - 1.0
+        ar_rate = choice.ar_tokens / choice.ar_ms
+        gain = (choice.predicted_tokens / choice.predicted_ms) / ar_rate - 1.0 if ar_rate else 0.0
         reason = (
             f"k={num_spec}/{n} d_max={int(choice.num_draft.max(initial=0))} "
             f"pred {gain * 100:+.1f}% tok/s vs AR"

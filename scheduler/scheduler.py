@@ -200,7 +200,12 @@ class Scheduler:
         self._live: list[Request] = []  # requests holding a slot, in admission order
         self._free_slots: list[int] = list(range(config.max_concurrency - 1, -1, -1))
         self._to_release: list[Request] = []  # finished/aborted/preempted, freed by next plan
-        self._inflight: RoundPlan | None = None  # the plan whose result update() expects
+        # plans launched and not yet updated, oldest first (two when one was advanced), each
+        # with the cost model's raw prediction
+        self._inflight: list[tuple[RoundPlan, float]] = []
+        # the launched AR round whose one token per request is already counted (advance())
+        self._advanced: RoundPlan | None = None
+        self._advanced_live = np.zeros(0, dtype=bool)  # [n] its rows that advance() counted
         # Per-slot state of decoding requests (the source of truth while a request decodes).
         num_slots = config.max_concurrency
         self._slot_reqs: list[Request | None] = [None] * num_slots
@@ -457,6 +462,16 @@ class Scheduler:
             self._dec_dirty = False
         return self._dec_slots
 
+    def _live_decoding_slots(self) -> np.ndarray:
+        """The decoding slots that may get a row: while an advanced round runs (its tokens
+        counted), not the requests it takes to max_tokens."""
+        slots = self._decoding_slots()
+        if self._advanced is not None and len(slots):
+            out_of_tokens = self._remaining[slots] <= 0
+            if out_of_tokens.any():
+                return slots[~out_of_tokens]
+        return slots
+
     def _allocate_one_each(self, slots: np.ndarray) -> list[int]:
         new_ids = self.kv.allocate_one_each(self._slot_req_id[slots].tolist())
         self._num_blocks[slots] += 1
@@ -501,7 +516,7 @@ class Scheduler:
             budget -= chunk
 
         # Decode rows: every decoding request gets at least its AR row, oldest first.
-        slots = self._decoding_slots()
+        slots = self._live_decoding_slots()
         # (indices, ids) of the AR rows' new blocks when allocated in one batch
         self._ar_blocks: tuple[np.ndarray, list[int]] | None = (np.zeros(0, np.int64), [])
         bs = self.kv.block_size
@@ -527,7 +542,11 @@ class Scheduler:
             slots = slots[self._slot_decoding[slots]]
             prefills = [(r, c) for r, c in prefills if r.slot >= 0]
 
-        num_draft = self._decide(slots, prefills)
+        num_draft = (
+            self._decide(slots, prefills)
+            if self._advanced is None
+            else self._decide_behind(slots, prefills)
+        )
         decode, route, total_rows, kv_tokens, d_max, lag = self._build_decode(slots, num_draft)
         prefill_plans = self._build_prefills(prefills)
         route += "P" * len(prefill_plans)
@@ -562,7 +581,7 @@ class Scheduler:
             reason=self._last_reason,
         )
         self._last_plan = plan
-        self._inflight = plan
+        self._inflight.append((plan, self._last_raw_ms))
         self._cohort_changed = False
         # Slots released by this plan become reusable from the next plan on.
         self._free_slots.extend(released)
@@ -633,6 +652,46 @@ class Scheduler:
         elif num_draft.any():
             self._last_extra_tokens = self._expected_extra_tokens(slots, num_draft)
         return num_draft
+
+    def _decide_behind(self, slots: np.ndarray, prefills) -> np.ndarray:
+        """The decision of a round planned while the advanced round runs: AR for everyone (a
+        speculative row needs its request's last token, still on the device, for drafting)."""
+        self._prepared = None
+        self._last_extra_tokens = 0.0
+        self._last_reason = "AR, planned while the previous round runs"
+        n = len(slots)
+        self._round_ar_rate = 0.0
+        if n and not prefills:
+            kv_tokens = int(self._num_computed[slots].sum()) + n
+            self._round_ar_rate = n / self.cost_model.predict_ms_scalar(n, kv_tokens)
+        return np.zeros(n, dtype=np.int64)
+
+    def may_plan_ahead(self) -> bool:
+        """Whether the next round can be planned while the advanced one runs: the policy's
+        decision made ahead (prepare_decision) has no request speculating, or the server never
+        speculates."""
+        if self.config.max_drafts == 0 or self.config.spec_mode == "ar":
+            return True
+        prepared = self._prepared
+        return prepared is not None and not prepared[2].any()
+
+    def advance(self, plan: RoundPlan) -> None:
+        """Counts the launched AR-only decode round `plan` as done, one token per request, so
+        the next round can be planned (and launched) while it runs. Its update() later takes
+        the count back and applies what really happened (stops, aborts)."""
+        if self._advanced is not None or not self._inflight or self._inflight[-1][0] is not plan:
+            raise RuntimeError(f"round {plan.round_id} is not the last round launched")
+        dec = plan.decode
+        if plan.prefills or not len(dec) or dec.num_draft.any():
+            raise ValueError(f"round {plan.round_id} is not an AR-only decode round")
+        slots = dec.slots
+        live = self._slot_decoding[slots] & (self._slot_req_id[slots] == dec.req_ids)
+        step = live.astype(np.int64)
+        self._num_computed[slots] += step
+        self._remaining[slots] -= step
+        self._drafter_lag[slots] += step
+        self._advanced = plan
+        self._advanced_live = live
 
     def _expected_extra_tokens(self, slots: np.ndarray, num_draft: np.ndarray) -> float:
         """Accepted drafts the estimators expect of these depths, whatever policy chose them."""
@@ -711,7 +770,7 @@ class Scheduler:
         departure in between, and decides afresh otherwise."""
         self._prepared = None
         self._flush_observations()
-        slots = self._decoding_slots()
+        slots = self._live_decoding_slots()
         if len(slots) == 0 or self.config.max_drafts == 0:
             return
         view, _ = self._policy_view(slots, (), self._round_id + 1)
@@ -851,18 +910,34 @@ class Scheduler:
     def update(self, result: RoundResult, now: float) -> RoundDeltas:
         measured_ms = result.timings.total_ms
         self._last_measured_ms = measured_ms
+        while self._inflight and self._inflight[0][0].round_id < result.round_id:
+            self._inflight.pop(0)  # planned with nothing to run: never launched
+        plan, raw_ms = self._inflight[0] if self._inflight else (None, 0.0)
+        if plan is not None and plan.round_id == result.round_id:
+            self._inflight.pop(0)
+        else:
+            plan = None
         if measured_ms > 0:
             self.admission.charge(measured_ms / 1e3)
-            plan = self._last_plan
-            if plan is not None and plan.round_id == result.round_id and self._last_raw_ms > 0:
-                self.cost_model.observe(
-                    plan.num_rows, plan.spec_depth > 1, self._last_raw_ms, measured_ms
-                )
+            if plan is not None and raw_ms > 0:
+                self.cost_model.observe(plan.num_rows, plan.spec_depth > 1, raw_ms, measured_ms)
         self._pending_obs.append(None)  # this round decays every belief (applied later)
-        plan, self._inflight = self._inflight, None
         out = result.out
-        if plan is None or plan.round_id != result.round_id:
-            return RoundDeltas.empty()  # not the round in flight: nothing to apply
+        if plan is None:
+            return RoundDeltas.empty()  # not the oldest round in flight: nothing to apply
+        if plan is self._advanced:
+            # take back advance()'s count for the requests it counted and that still decode:
+            # the outcome below applies the real one
+            self._advanced = None
+            slots = plan.decode.slots
+            step = (
+                self._advanced_live
+                & self._slot_decoding[slots]
+                & (self._slot_req_id[slots] == plan.decode.req_ids)
+            ).astype(np.int64)
+            self._num_computed[slots] -= step
+            self._remaining[slots] += step
+            self._drafter_lag[slots] -= step
         if len(out) != plan.num_reqs:
             raise ValueError(
                 f"round {result.round_id}: {len(out)} result rows for {plan.num_reqs} requests"
@@ -939,7 +1014,9 @@ class Scheduler:
             self._to_release.append(req)
         # KV past the committed end (rejected drafts) goes back, unless the request finished
         bs = self.kv.block_size
-        over = self._slot_decoding[slots] & live
+        # (AR rows hold exactly their committed blocks already, and a round planned ahead may
+        # hold the block of its next position)
+        over = self._slot_decoding[slots] & live & spec
         over &= self._num_blocks[slots] > -(-new_computed // bs)
         for i in np.flatnonzero(over).tolist():
             self._truncate(slot_reqs[slots[i]], int(new_computed[i]))

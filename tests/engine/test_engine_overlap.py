@@ -79,15 +79,19 @@ def test_stop_string_in_round_n_ends_the_request_before_round_n_plus_2(model_dir
     _idle(engine)
 
 
-def test_a_request_aborted_between_steps_emits_nothing_more(model_dir):
-    llm = _llm(model_dir, max_concurrency=2)
+@pytest.mark.parametrize("overlap_rounds", [False, True])
+def test_a_request_aborted_between_steps_emits_nothing_more(model_dir, overlap_rounds):
+    llm = _llm(model_dir, max_concurrency=2, overlap_rounds=overlap_rounds)
     engine = llm.engine
     p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     engine.add_request("a", [5, 6, 7], p)
     engine.add_request("b", [5, 6, 8], p)
-    for _ in range(4):  # both decode; "a" has a round's deltas waiting to be collected
+    for _ in range(4):  # both decode; "a" has a round's tokens not yet handed out
         engine.step()
-    assert engine._pending is not None and len(engine._pending) == 2
+    if overlap_rounds:  # a round of both still runs (advanced)
+        assert engine._ahead is not None and engine._ahead[0].num_reqs == 2
+    else:  # a round's deltas wait to be collected
+        assert engine._pending is not None and len(engine._pending) == 2
     engine.abort("a")
     seen = []
     while engine.has_unfinished():

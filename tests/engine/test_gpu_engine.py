@@ -43,3 +43,31 @@ def test_greedy_speculation_equals_ar_on_gpu(model_dirs, graphs):
         s = llm.engine.scheduler
         assert s.num_running == 0 and s.num_waiting == 0
         assert s.kv.num_free == s.kv.num_total
+
+
+def _counting(fn):
+    def counted(*args):
+        counted.calls += 1
+        return fn(*args)
+
+    counted.calls = 0
+    return counted
+
+
+def test_rounds_ahead_change_no_output_on_gpu(model_dirs):
+    """Rounds launched ahead (input tokens gathered from the running round on the device,
+    graph replays back to back) emit what rounds one after the other emit, greedy and seeded
+    sampled, with requests arriving while rounds run ahead."""
+    target, _ = model_dirs
+    common = dict(device="cuda", dtype="float32", max_concurrency=3, graphs="lazy")
+    for params in (
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
+    ):
+        ref = _outputs(LLM(str(target), draft="none", overlap_rounds=False, **common), params)
+        llm = LLM(str(target), draft="none", overlap_rounds=True, **common)
+        ex = llm.engine.executor
+        ex.advance = _counting(ex.advance)
+        assert _outputs(llm, params) == ref
+        assert ex.advance.calls > 0
+        assert llm.engine.scheduler.kv.num_free == llm.engine.scheduler.kv.num_total

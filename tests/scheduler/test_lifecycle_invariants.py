@@ -64,10 +64,13 @@ request_strategy = st.fixed_dictionaries(
     cohort=st.sampled_from(["code", "prose", "mixed"]),
     seed=st.integers(0, 1000),
     tenant_cap=st.integers(0, 2),
+    ahead=st.booleans(),
 )
 def test_random_workload_accounting(
-    requests, max_concurrency, spec_mode, has_drafter, spare_blocks, cohort, seed, tenant_cap
+    requests, max_concurrency, spec_mode, has_drafter, spare_blocks, cohort, seed, tenant_cap, ahead
 ):
+    """With `ahead`, the loop runs as the engine's with overlapped rounds: an AR-only decode
+    round is advanced and the next round planned before its update."""
     spec_depth = 4
     # KV: the largest request (plus its deepest chain) always fits alone, little more, so
     # preemption happens often.
@@ -122,13 +125,32 @@ def test_random_workload_accounting(
     streamed = defaultdict(list)
     finish = {}
     now = 0.0
+
+    def run_and_update(plan):
+        nonlocal now
+        result = ex.run(plan)
+        now += result.timings.total_ms / 1e3
+        for delta in sched.update(result, now):
+            assert delta.req_id not in finish or finish[delta.req_id] == "abort"
+            if finish.get(delta.req_id) == "abort":
+                continue
+            streamed[delta.req_id].extend(delta.token_ids)
+            if delta.finish_reason:
+                finish[delta.req_id] = delta.finish_reason
+
+    running = None  # the advanced round, run and updated after the next plan
     for round_idx in range(2000):
         for i, r in enumerate(requests):
             if r["abort_round"] == round_idx and i not in finish:
                 sched.abort(i)
                 finish[i] = "abort"
+        if running is not None and not sched.may_plan_ahead():
+            run_and_update(running)
+            running = None
         if not sched.has_work():
+            assert running is None
             break
+        behind = running is not None
         plan = sched.plan(now)
         slots = [q.slot for q in plan.reqs]
         assert len(slots) == len(set(slots)) and all(0 <= s < max_concurrency for s in slots)
@@ -149,7 +171,9 @@ def test_random_workload_accounting(
                 assert has_drafter and spec_mode != "ar"
                 assert 1 <= q.num_draft <= spec_depth - 1
                 assert requests[q.req_id]["speculation"] != "off"
-            if spec_mode == "spec" and q.mode == Mode.AR and has_drafter:
+            if behind:
+                assert q.mode != Mode.SPEC  # its last token is not known yet
+            elif spec_mode == "spec" and q.mode == Mode.AR and has_drafter:
                 # full depth unless the request opts out, is one token from max_tokens, or a
                 # draft's KV block did not fit (then the pool is empty after the plan)
                 r = requests[q.req_id]
@@ -161,17 +185,21 @@ def test_random_workload_accounting(
                     or (draft_needs_block and sched.kv.num_free == 0)
                 )
         sched.kv.check()
-        result = ex.run(plan)
-        now += result.timings.total_ms / 1e3
-        for delta in sched.update(result, now):
-            assert delta.req_id not in finish or finish[delta.req_id] == "abort"
-            if finish.get(delta.req_id) == "abort":
-                continue
-            streamed[delta.req_id].extend(delta.token_ids)
-            if delta.finish_reason:
-                finish[delta.req_id] = delta.finish_reason
+        if running is not None:
+            run_and_update(running)
+            running = None
+        if not (plan.num_reqs or plan.setup or plan.release):
+            continue
+        decode = plan.decode
+        if ahead and not plan.prefills and len(decode) and not decode.num_draft.any():
+            sched.advance(plan)
+            sched.prepare_decision()
+            running = plan
+            continue
+        run_and_update(plan)
     else:
         pytest.fail("workload did not finish")
+    assert running is None
 
     # idle again: every slot and block returned
     assert sched.kv.num_free == num_blocks and sched.num_free_slots == max_concurrency
