@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -104,6 +106,8 @@ class CompileLog:
     def __init__(self):
         self.events: list[dict] = []  # kernel, seconds (None without a post hook), variant
         self.method = "none"
+        self.stage = ""  # what the probe is doing (recorded with each compilation)
+        self.errors: list[str] = []  # hook failures (never raised into Triton)
         self._started: dict[str, float] = {}
         self._undo: list = []
 
@@ -140,10 +144,12 @@ class CompileLog:
         while self._undo:
             self._undo.pop()()
 
-    @staticmethod
-    def _chain(mine, previous):
+    def _chain(self, mine, previous):
         def hook(**kwargs):
-            mine(**kwargs)
+            try:
+                mine(**kwargs)
+            except Exception as e:  # recording must never fail a kernel launch
+                self.errors.append(f"{type(e).__name__}: {e}"[:200])
             # a truthy answer would make Triton skip the compilation: only a previous hook's
             return previous(**kwargs) if previous is not None else None
 
@@ -160,7 +166,9 @@ class CompileLog:
             variant = {"repr": str(kwargs.get("repr", ""))[:400]}
         key = str(kwargs.get("key"))
         self._started[key] = time.perf_counter()
-        self.events.append({"kernel": name, "seconds": None, "key": key, "variant": variant})
+        self.events.append(
+            {"kernel": name, "stage": self.stage, "seconds": None, "key": key, "variant": variant}
+        )
 
     def on_compile_done(self, **kwargs) -> None:
         key = str(kwargs.get("key"))
@@ -362,6 +370,7 @@ class PrefillRounds:
         saved_drafter = ex.drafter
         ex.drafter = None
         ex._apply_setup_release(RoundPlan(round_id=0, setup=tuple(setups)))
+        self.log.stage = shape.label()
         calls = []
         try:
             for _ in range(max(repeats, 2)):
@@ -525,6 +534,7 @@ def measure_propose(
     def num_graphs() -> int | None:
         return len(drafter.graphs.graphs) if drafter.graphs is not None else None
 
+    log.stage = f"propose C={num_reqs} ctx={context_len} warm-up"
     warm_mark, warm_graphs = log.mark(), num_graphs()
     t0 = time.perf_counter()
     for _ in range(2):
@@ -532,6 +542,7 @@ def measure_propose(
     _sync(dev)
     warm_s = time.perf_counter() - t0
     graphs_after_warm = num_graphs()
+    log.stage = f"propose C={num_reqs} ctx={context_len}"
     mark = log.mark()
     walls, steps, gaps, spans, step0 = [], [], [], [], []
     for _ in range(repeats):
@@ -578,6 +589,79 @@ def measure_propose(
     for slot in range(num_reqs):
         drafter.release(slot)
     return out
+
+
+# -- (d) the refill workload through the engine --------------------------------------------
+def refill_replay(
+    engine, num_reqs: int, prompt_lo: int, prompt_hi: int, max_tokens: int, log: CompileLog
+) -> dict:
+    """The end-to-end benchmark's all-AR refill at C = `num_reqs` (prompts uniform in
+    [prompt_lo, prompt_hi] tokens, greedy, ignore_eos), run through `Engine.step` right after
+    start-up: per step its wall time, the Triton compilations and graph captures inside it, and
+    the rounds it finished (route, rows, the scheduler's prediction, the executor's time), so
+    a slow round shows what it paid for."""
+    from hipfire_serve.types import SamplingParams
+
+    vocab = engine.target.config.vocab_size
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.stats()  # drains the round records of the start-up
+    for i in range(num_reqs):
+        n = int(rng.integers(prompt_lo, prompt_hi + 1))
+        engine.add_request(f"replay-{i}", rng.integers(1, vocab, n).tolist(), params)
+    graphs = engine.executor.graphs
+
+    def num_graphs() -> int:
+        return len(graphs.graphs) if graphs is not None else 0
+
+    steps = []
+    t_run = time.perf_counter()
+    while engine.has_unfinished():
+        log.stage = f"refill step {len(steps)}"
+        mark, graphs_before = log.mark(), num_graphs()
+        t0 = time.perf_counter()
+        engine.step()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        rounds = [
+            {
+                "route": f"P{r.num_prefill} A{r.num_ar} S{r.num_spec}",
+                "rows": r.num_rows,
+                "predicted_ms": round(r.predicted_s * 1e3, 3),
+                "measured_ms": round(r.measured_s * 1e3, 3),
+                "forward_ms": round(r.phase_s.get("forward", 0.0) * 1e3, 3),
+            }
+            for r in engine.stats().rounds
+            if r.num_rows  # (a round that only releases slots runs nothing)
+        ]
+        steps.append(
+            {
+                "step": len(steps),
+                "wall_ms": round(wall_ms, 3),
+                "compiles": log.since(mark),
+                "graphs_captured": num_graphs() - graphs_before,
+                "rounds": rounds,
+            }
+        )
+    run_s = time.perf_counter() - t_run
+    prefill = [r for s in steps for r in s["rounds"] if not r["route"].startswith("P0")]
+    decode = [r for s in steps for r in s["rounds"] if r["route"].startswith("P0")]
+    return {
+        "num_reqs": num_reqs,
+        "prompt_range": [prompt_lo, prompt_hi],
+        "max_tokens": max_tokens,
+        "run_s": round(run_s, 3),
+        "tok_s": round(num_reqs * max_tokens / run_s, 1),
+        "prefill_rounds": len(prefill),
+        "prefill_measured_ms": round(sum(r["measured_ms"] for r in prefill), 2),
+        "prefill_predicted_ms": round(sum(r["predicted_ms"] for r in prefill), 2),
+        "decode_rounds": len(decode),
+        "decode_measured_ms": round(sum(r["measured_ms"] for r in decode), 2),
+        "decode_predicted_ms": round(sum(r["predicted_ms"] for r in decode), 2),
+        "compiles": sum(s["compiles"]["count"] for s in steps),
+        "compile_s": round(sum(s["compiles"]["seconds"] for s in steps), 3),
+        "graphs_captured": sum(s["graphs_captured"] for s in steps),
+        "steps": steps,
+    }
 
 
 # -- the whole probe --------------------------------------------------------------------------
@@ -643,9 +727,6 @@ def _print_drafts(drafts: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from executor.profiler import measure_ceilings
-    from scheduler.cost_model import CostModel
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="random:qwen3-8b")
@@ -665,76 +746,58 @@ def main(argv: list[str] | None = None) -> int:
         default="28,29,30,31,32,33,34,35,36",
         help="decode rows next to the largest chunk at the largest context, one shape each",
     )
+    ap.add_argument("--replay-reqs", type=int, default=32, help="refill replay C (0: none)")
+    ap.add_argument("--replay-prompts", default="512,1536", help="prompt length range")
+    ap.add_argument("--replay-max-tokens", type=int, default=32)
     ap.add_argument("--draft-reqs", default="1,16,64")
     ap.add_argument("--draft-contexts", default="16,1024")
     ap.add_argument("--draft-depth", type=int, default=8)
     ap.add_argument("--draft-repeats", type=int, default=5)
+    ap.add_argument(
+        "--time-budget", type=float, default=170.0, help="seconds; later parts are skipped past it"
+    )
+    ap.add_argument(
+        "--keep-triton-cache",
+        action="store_true",
+        help="use Triton's usual cache directory (default: a fresh one, so compile costs are "
+        "those of a cold start and counted the same on every run)",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("round_probe: no CUDA/HIP device")
         return 2
-    t_start = time.perf_counter()
+    saved_cache_dir = os.environ.get("TRITON_CACHE_DIR")
+    fresh_cache = None
+    if not args.keep_triton_cache:
+        fresh_cache = tempfile.mkdtemp(prefix="round-probe-triton-")
+        os.environ["TRITON_CACHE_DIR"] = fresh_cache
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     log = CompileLog().install()
-    cache_before = _cache_entries()
     try:
-        t0 = time.perf_counter()
-        engine = build_engine(args)
-        build_s = time.perf_counter() - t0
-        engine_compiles = log.since(0)
-        ceilings = measure_ceilings(device)
-        cost_model = CostModel.from_file(args.profile) if args.profile else None
-        ex = engine.executor
-        bench = PrefillRounds(ex, log)
-
-        # (a) prefill rounds: alone, then with the decode rows
-        shapes = [
-            RoundShape(c, ctx, n, args.decode_kv_len)
-            for n in (0, args.decode_rows)
-            for ctx in _ints(args.contexts)
-            for c in _ints(args.chunks)
-        ]
-        rounds = []
-        for shape in shapes:
-            r = bench.measure(shape, args.repeats)
-            r["prediction"] = predicted_ms(cost_model, shape)
-            r["floor"] = floor_ms(engine.target, shape, ceilings)
-            rounds.append(r)
-            print(
-                f"{r['label']}: first {r['first']['wall_ms']:.1f} ms "
-                f"({r['first']['compiles']['count']} compiles), then "
-                f"{r['median_rest']['wall_ms']:.2f} ms",
-                flush=True,
-            )
-        big = max(_ints(args.chunks))
-        ctx_hi = max(_ints(args.contexts))
-        scan = []
-        for n in _ints(args.seq_scan):
-            shape = RoundShape(big, ctx_hi, n, args.decode_kv_len)
-            r = bench.measure(shape, 2)
-            r["prediction"] = predicted_ms(cost_model, shape)
-            scan.append(r)
-        profiled = kernel_table(
-            bench, RoundShape(big, ctx_hi, args.decode_rows, args.decode_kv_len)
-        )
-
-        # (b) the draft model's proposals
-        drafts = []
-        draft_model = getattr(engine.drafter, "model", None)
-        if draft_model is not None:
-            reqs, ctxs = _ints(args.draft_reqs), _ints(args.draft_contexts)
-            drafter = make_drafter(draft_model, max(reqs), max(ctxs), args.draft_depth)
-            for ctx in ctxs:
-                for n in reqs:
-                    drafts.append(
-                        measure_propose(
-                            drafter, n, ctx, args.draft_depth, args.draft_repeats, log, cost_model
-                        )
-                    )
-                    print(f"propose C={n} ctx={ctx}: {drafts[-1]['wall_ms']:.2f} ms", flush=True)
+        record = run_probe(args, device, log, out)
     finally:
         log.uninstall()
-    record = {
+        if fresh_cache is not None:
+            if saved_cache_dir is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = saved_cache_dir
+            shutil.rmtree(fresh_cache, ignore_errors=True)
+    print_report(record)
+    return 0
+
+
+def run_probe(args, device: torch.device, log: CompileLog, out: Path) -> dict:
+    """The probe's parts in order of importance, the JSON rewritten after each one, and the
+    parts still to come skipped once `--time-budget` is spent."""
+    from executor.profiler import measure_ceilings
+    from scheduler.cost_model import CostModel
+
+    t_start = time.perf_counter()
+    cache_before = _cache_entries()
+    record: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "torch": torch.__version__,
@@ -742,49 +805,177 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "draft": args.draft,
         "profile": Path(args.profile).name if args.profile else None,
-        "engine_build_s": round(build_s, 2),
-        "engine_build_compiles": engine_compiles,
-        "ceilings": ceilings,
-        "rounds": rounds,
-        "seq_scan": scan,
-        "kernel_table": profiled,
-        "drafts": drafts,
-        "compile_method": log.method,
-        "compiles_total": len(log.events),
-        "compile_summary": log.summary(),
-        "triton_cache_entries_added": _cache_entries() - cache_before,
-        "elapsed_s": round(time.perf_counter() - t_start, 1),
+        "replay": None,
+        "rounds": [],
+        "seq_scan": [],
+        "kernel_table": None,
+        "drafts": [],
+        "skipped": [],
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "round_probe.json").write_text(json.dumps(record, indent=1, default=str))
-    print(f"\nengine build {build_s:.1f} s, {engine_compiles['count']} Triton compiles")
-    print("\n(a) prefill rounds (ms; medians of the calls after the first)")
-    _print_rounds(rounds)
-    print("\nscan: decode rows next to the largest chunk (first call: compiles)")
-    for r in scan:
-        f = r["first"]
-        print(
-            f"  {r['label']:<36} first {f['wall_ms']:8.1f} ms  compiles "
-            f"{f['compiles']['count']} ({', '.join(f['compiles']['kernels'])})  then "
-            f"{r['median_rest']['wall_ms']:.2f} ms"
+
+    def over_budget(what: str) -> bool:
+        if time.perf_counter() - t_start <= args.time_budget:
+            return False
+        record["skipped"].append(what)
+        return True
+
+    def save() -> None:
+        record.update(
+            compile_method=log.method,
+            compile_hook_errors=log.errors[:20],
+            compiles_total=len(log.events),
+            compile_summary=log.summary(),
+            compile_events=[{k: v for k, v in e.items() if k != "key"} for e in log.events],
+            triton_cache_entries_added=_cache_entries() - cache_before,
+            elapsed_s=round(time.perf_counter() - t_start, 1),
         )
-    print(f"\nkernels of one round, {profiled['shape']} (2 rounds):")
-    print(profiled["table"])
-    if drafts:
-        print("(b) draft proposals (ms; device step times from CUDA events)")
-        _print_drafts(drafts)
+        (out / "round_probe.json").write_text(json.dumps(record, indent=1, default=str))
+
+    log.stage = "engine build"
+    t0 = time.perf_counter()
+    engine = build_engine(args)
+    record["engine_build_s"] = round(time.perf_counter() - t0, 2)
+    record["engine_build_compiles"] = log.since(0)
+    ceilings = measure_ceilings(device)
+    record["ceilings"] = ceilings
+    cost_model = CostModel.from_file(args.profile) if args.profile else None
+    bench = PrefillRounds(engine.executor, log)
+    save()
+
+    # (d) first, as a server meets it after start-up: the refill workload, step by step
+    if args.replay_reqs > 0 and not over_budget("refill replay"):
+        lo, hi = _ints(args.replay_prompts)
+        record["replay"] = refill_replay(
+            engine, args.replay_reqs, lo, hi, args.replay_max_tokens, log
+        )
+        rp = record["replay"]
+        print(
+            f"refill replay C={args.replay_reqs}: {rp['run_s']:.2f} s, {rp['compiles']} "
+            f"compiles ({rp['compile_s']:.1f} s), {rp['graphs_captured']} graph captures",
+            flush=True,
+        )
+        save()
+
+    # (a) prefill rounds: alone, then with the decode rows
+    for num_decode in (0, args.decode_rows):
+        for ctx in _ints(args.contexts):
+            for chunk in _ints(args.chunks):
+                shape = RoundShape(chunk, ctx, num_decode, args.decode_kv_len)
+                if over_budget(shape.label()):
+                    continue
+                r = bench.measure(shape, args.repeats)
+                r["prediction"] = predicted_ms(cost_model, shape)
+                r["floor"] = floor_ms(engine.target, shape, ceilings)
+                record["rounds"].append(r)
+                f = r["first"]
+                print(
+                    f"{r['label']}: first {f['wall_ms']:.1f} ms ({f['compiles']['count']} "
+                    f"compiles), then {r['median_rest']['wall_ms']:.2f} ms",
+                    flush=True,
+                )
+    save()
+
+    # (b) the draft model's proposals
+    draft_model = getattr(engine.drafter, "model", None)
+    if draft_model is not None:
+        reqs, ctxs = _ints(args.draft_reqs), _ints(args.draft_contexts)
+        drafter = make_drafter(draft_model, max(reqs), max(ctxs), args.draft_depth)
+        for ctx in ctxs:
+            for n in reqs:
+                if over_budget(f"propose C={n} ctx={ctx}"):
+                    continue
+                d = measure_propose(
+                    drafter, n, ctx, args.draft_depth, args.draft_repeats, log, cost_model
+                )
+                record["drafts"].append(d)
+                print(f"propose C={n} ctx={ctx}: {d['wall_ms']:.2f} ms", flush=True)
+        del drafter
+        save()
+
+    # the sequence-count scan and one round kernel by kernel
+    big, ctx_hi = max(_ints(args.chunks)), max(_ints(args.contexts))
+    for n in _ints(args.seq_scan):
+        shape = RoundShape(big, ctx_hi, n, args.decode_kv_len)
+        if over_budget(shape.label()):
+            continue
+        r = bench.measure(shape, 2)
+        r["prediction"] = predicted_ms(cost_model, shape)
+        record["seq_scan"].append(r)
+    save()
+    shape = RoundShape(big, ctx_hi, args.decode_rows, args.decode_kv_len)
+    if not over_budget("kernel table"):
+        log.stage = "kernel table"
+        record["kernel_table"] = kernel_table(bench, shape)
+    save()
+    return record
+
+
+def print_report(record: dict) -> None:
+    compiles = record["engine_build_compiles"]
     print(
-        f"\n(c) Triton compiles: {len(log.events)} via {log.method}; cache entries added "
-        f"{record['triton_cache_entries_added']}"
+        f"\nengine build {record['engine_build_s']:.1f} s, {compiles['count']} Triton compiles "
+        f"({compiles['seconds']:.1f} s)"
     )
-    for s in log.summary():
+    rp = record["replay"]
+    if rp:
+        print(
+            f"\n(d) refill replay C={rp['num_reqs']}, prompts {rp['prompt_range']}, "
+            f"{rp['max_tokens']} tokens: {rp['run_s']:.2f} s ({rp['tok_s']} tok/s); prefill "
+            f"rounds {rp['prefill_rounds']}: measured {rp['prefill_measured_ms']:.1f} ms, "
+            f"predicted {rp['prefill_predicted_ms']:.1f} ms; decode rounds "
+            f"{rp['decode_rounds']}: measured {rp['decode_measured_ms']:.1f} ms, predicted "
+            f"{rp['decode_predicted_ms']:.1f} ms; {rp['compiles']} compiles "
+            f"({rp['compile_s']:.1f} s), {rp['graphs_captured']} graph captures"
+        )
+        for st in rp["steps"]:
+            slow = any(r["measured_ms"] > 1.5 * r["predicted_ms"] for r in st["rounds"])
+            if slow or st["compiles"]["count"] or st["graphs_captured"]:
+                rounds = "; ".join(
+                    f"{r['route']} rows {r['rows']} pred {r['predicted_ms']:.1f} meas "
+                    f"{r['measured_ms']:.1f} fwd {r['forward_ms']:.1f}"
+                    for r in st["rounds"]
+                )
+                print(
+                    f"  step {st['step']:>3}: {st['wall_ms']:8.1f} ms, compiles "
+                    f"{st['compiles']['count']} ({st['compiles']['seconds']:.2f} s: "
+                    f"{', '.join(st['compiles']['kernels'])}), captures "
+                    f"{st['graphs_captured']}; {rounds}"
+                )
+    print(
+        "\n(a) prefill rounds (ms; medians of the calls after the first; 1st cmp: compiles in "
+        "the first call / their seconds; pred: cost profile; floor: FLOP/byte ceiling)"
+    )
+    _print_rounds(record["rounds"])
+    if record["drafts"]:
+        print("\n(b) draft proposals (ms; device step times from CUDA events)")
+        _print_drafts(record["drafts"])
+    if record["seq_scan"]:
+        print("\nscan: decode rows next to the largest chunk (first call: compiles)")
+        for r in record["seq_scan"]:
+            f = r["first"]
+            print(
+                f"  {r['label']:<36} first {f['wall_ms']:8.1f} ms  compiles "
+                f"{f['compiles']['count']} ({', '.join(f['compiles']['kernels'])})  then "
+                f"{r['median_rest']['wall_ms']:.2f} ms"
+            )
+    table = record["kernel_table"]
+    if table:
+        print(f"\nkernels of {table['rounds']} rounds of {table['shape']}:")
+        print(table["table"])
+    print(
+        f"\n(c) Triton compiles: {record['compiles_total']} via {record['compile_method']}; "
+        f"cache entries added {record['triton_cache_entries_added']}"
+    )
+    for s in record["compile_summary"]:
         print(
             f"  {s['kernel']:<34} {s['variants']:>3} variants {s['seconds']:>7.2f} s  "
             f"differ in {json.dumps(s['differs_in'])[:300]}"
         )
-    print(f"\nwrote {out / 'round_probe.json'} in {record['elapsed_s']} s")
-    return 0
+    if record["compile_hook_errors"]:
+        print(f"  hook errors: {record['compile_hook_errors'][:3]}")
+    if record["skipped"]:
+        print(f"\nskipped past the time budget: {record['skipped']}")
+    print(f"\nround_probe.json written; {record['elapsed_s']} s")
 
 
 def _triton_version() -> str | None:

@@ -50,6 +50,12 @@ def test_main_writes_every_part_of_the_record(tmp_path):
         "4",
         "--draft-repeats",
         "2",
+        "--replay-reqs",
+        "3",
+        "--replay-prompts",
+        "20,40",
+        "--replay-max-tokens",
+        "4",
     ]
     assert rp.main(argv) == 0
     record = json.loads((tmp_path / "round_probe.json").read_text())
@@ -79,6 +85,14 @@ def test_main_writes_every_part_of_the_record(tmp_path):
         assert d["wall_ms"] > 0 and d["device_chain_step_ms"] > 0
         assert d["graphs_captured_in_measured"] is None  # no graphs on a CPU
         assert d["profile_chain_ms"] == pytest.approx(3 * d["profile_step_ms"], abs=2e-3)
+    replay = record["replay"]
+    steps = replay["steps"]
+    finished = [r for st in steps for r in st["rounds"]]
+    # every request's 4 tokens: the first from its last prefill chunk, 3 from decode rounds
+    assert sum(int(r["route"].split()[1][1:]) for r in finished) == 3 * 3
+    assert replay["prefill_rounds"] >= 1 and replay["decode_rounds"] >= 3
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in finished)
+    assert record["skipped"] == []
     assert record["compile_method"] != "none"
     assert record["compiles_total"] == 0  # the CPU path runs no Triton kernels
 
@@ -163,3 +177,13 @@ def test_compile_log_records_variants_and_what_differs():
     finally:
         log.uninstall()
     assert runtime.jit_cache_hook is before
+
+
+def test_parts_past_the_time_budget_are_skipped_and_said_so(tmp_path):
+    argv = [*TINY, "--out", str(tmp_path), "--time-budget", "0", "--chunks", "16"]
+    argv += ["--contexts", "0", "--seq-scan", "2", "--draft-reqs", "1", "--draft-contexts", "8"]
+    assert rp.main(argv) == 0
+    record = json.loads((tmp_path / "round_probe.json").read_text())
+    assert record["rounds"] == [] and record["drafts"] == [] and record["replay"] is None
+    assert "refill replay" in record["skipped"] and "kernel table" in record["skipped"]
+    assert len(record["skipped"]) == 1 + 2 + 1 + 1 + 1  # replay, 2 rounds, propose, scan, table
