@@ -631,6 +631,7 @@ def refill_replay(
                 "predicted_ms": round(r.predicted_s * 1e3, 3),
                 "measured_ms": round(r.measured_s * 1e3, 3),
                 "forward_ms": round(r.phase_s.get("forward", 0.0) * 1e3, 3),
+                "phase_ms": {k: round(v * 1e3, 3) for k, v in r.phase_s.items()},
             }
             for r in engine.stats().rounds
             if r.num_rows  # (a round that only releases slots runs nothing)
