@@ -55,6 +55,7 @@ class RoundStats(msgspec.Struct, kw_only=True):
     route: str
     num_rows: int
     num_padded_rows: int
+    num_kv_tokens: int  # KV tokens the round's attention read (new rows included)
     num_spec: int
     num_ar: int
     num_prefill: int
@@ -564,6 +565,7 @@ class Engine:
                 route=route,
                 num_rows=result.num_rows,
                 num_padded_rows=result.num_padded_rows,
+                num_kv_tokens=result.num_kv_tokens,
                 num_spec=route.count("S"),
                 num_ar=route.count("A"),
                 num_prefill=route.count("P"),

@@ -7,10 +7,12 @@ Round time, two ways, on a random-weight Qwen3-8B-shaped model at about `--kv-le
 context per sequence: the engine's own loop at C = 1..256 greedy AR requests (wall time per
 round with rounds launched ahead, everything between rounds included), and one round alone
 (whole `RoundExecutor.run` calls: host build, graph replay, acceptance, commit) for AR rounds of
-1..256 rows and speculative rounds of 8-row groups up to 512 rows. Roofline of a round = max(bytes / copy bandwidth, FLOPs / bf16 GEMM rate) with
-bytes = weights + KV read, FLOPs = 2 * params * rows + attention, both ceilings measured by this
-script on the same GPU. GPU idle: the engine loop at C concurrent decoding requests under a
-torch profiler; idle = 1 - (union of kernel intervals) / wall time.
+1..256 rows and speculative rounds of 8-row groups up to 512 rows. Roofline of a round =
+max(bytes / copy bandwidth, FLOPs / bf16 GEMM rate) with bytes = weights + KV read, FLOPs =
+2 * params * rows + attention, both ceilings measured by this script on the same GPU. GPU idle:
+the engine loop at C concurrent decoding requests under a torch profiler; idle = 1 - (union of
+kernel intervals) / wall time, split into gaps of >= 20 us (the device waiting for the host) and
+shorter ones (between kernels launched back to back).
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def engine_loop(
 
     vocab = engine.target.config.vocab_size
     g = torch.Generator().manual_seed(concurrency)
-    extra = 2 * num_rounds + 16
+    # enough tokens to outlast the prefill of the last arrivals (2 prompts per round at the
+    # default budget) and the measured rounds; they are aborted at the end
+    extra = concurrency * prompt_len // engine.config.max_prefill_tokens + 3 * num_rounds + 32
     params = SamplingParams(max_tokens=extra, temperature=0.0, ignore_eos=True)
     names = [f"loop-{concurrency}-{i}" for i in range(concurrency)]
     for name in names:
@@ -78,6 +82,7 @@ def engine_loop(
         "rounds": num_rounds,
         "overlap_rounds": engine.config.overlap_rounds,
         "rows_per_round": statistics.mean(rs.num_rows for rs in rounds),
+        "kv_tokens_per_round": statistics.mean(rs.num_kv_tokens for rs in rounds),
         "wall_ms_per_round": wall_s / num_rounds * 1e3,
         "executor_phase_ms_per_round": {
             k: round(v / num_rounds * 1e3, 4) for k, v in phase_sums.items()
@@ -90,9 +95,16 @@ def engine_loop(
             for _ in range(num_rounds):
                 engine.step()
             torch.cuda.synchronize()
-        busy_s = _busy_us(prof) / 1e6
+        busy_us, gaps_us = _busy_us(prof)
+        busy_s = busy_us / 1e6
         out["gpu_busy_ms_per_round"] = busy_s / num_rounds * 1e3
         out["gpu_idle_fraction"] = max(0.0, 1.0 - busy_s / wall_s)
+        # Idle split by gap length: gaps under 20 us lie between kernels the device launches
+        # back to back (inside a graph replay); longer ones are the device waiting for the host.
+        long_gaps = sum(g for g in gaps_us if g >= 20.0) / 1e6
+        out["gpu_idle_long_gaps_fraction"] = long_gaps / wall_s
+        out["gpu_idle_short_gaps_fraction"] = sum(g for g in gaps_us if g < 20.0) / 1e6 / wall_s
+        out["num_long_gaps_per_round"] = sum(1 for g in gaps_us if g >= 20.0) / num_rounds
     for name in names:
         engine.abort(name)
     while engine.has_unfinished():
@@ -100,24 +112,26 @@ def engine_loop(
     return out
 
 
-def _busy_us(prof) -> float:
-    """Union of the device's kernel and copy intervals (us)."""
+def _busy_us(prof) -> tuple[float, list[float]]:
+    """Union of the device's kernel and copy intervals (us), and the gaps between them."""
     intervals = sorted(
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
     )
     busy_us, cur_s, cur_e = 0.0, None, None
+    gaps: list[float] = []
     for s, e in intervals:
         if cur_e is None or s > cur_e:
             if cur_e is not None:
                 busy_us += cur_e - cur_s
+                gaps.append(s - cur_e)
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
     if cur_e is not None:
         busy_us += cur_e - cur_s
-    return busy_us
+    return busy_us, gaps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     loop_rows = []
     for c in args.loop_concurrency:
         v = engine_loop(engine, c, args.kv_len, args.loop_rounds, profile_idle=False)
-        kv_tokens = int(c * (args.kv_len + args.loop_rounds))  # mid-run context per request
-        v["roofline_ms"] = round(roofline_ms(engine, c, kv_tokens, ceilings), 4)
+        rows, kv_tokens = round(v["rows_per_round"]), int(v["kv_tokens_per_round"])
+        v["roofline_ms"] = round(roofline_ms(engine, rows, kv_tokens, ceilings), 4)
         v["ratio"] = round(v["wall_ms_per_round"] / v["roofline_ms"], 3)
         loop_rows.append(v)
         print(
@@ -270,13 +284,17 @@ def main(argv: list[str] | None = None) -> int:
         "GPU idle in the engine loop (decode rounds, greedy AR), rounds launched ahead and "
         "one after the other:",
         "",
-        "| C | rounds | wall ms/round | GPU busy ms/round | idle |",
-        "|---:|---|---:|---:|---:|",
+        "| C | rounds | wall ms/round | GPU busy ms/round | idle | in gaps >= 20 us "
+        "(host) | in gaps < 20 us (between kernels) | gaps >= 20 us per round |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, v in idle.items():
         lines.append(
             f"| {v['concurrency']} | {name} | {v['wall_ms_per_round']:.3f} | "
-            f"{v['gpu_busy_ms_per_round']:.3f} | {100 * v['gpu_idle_fraction']:.1f}% |"
+            f"{v['gpu_busy_ms_per_round']:.3f} | {100 * v['gpu_idle_fraction']:.1f}% | "
+            f"{100 * v['gpu_idle_long_gaps_fraction']:.1f}% | "
+            f"{100 * v['gpu_idle_short_gaps_fraction']:.1f}% | "
+            f"{v['num_long_gaps_per_round']:.1f} |"
         )
     lines += [
         "",

@@ -122,6 +122,7 @@ class EngineDouble:
                 route="A" * len(running),
                 num_rows=len(running),
                 num_padded_rows=len(running),
+                num_kv_tokens=len(running),
                 num_spec=0,
                 num_ar=len(running),
                 num_prefill=0,
