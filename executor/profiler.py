@@ -429,7 +429,11 @@ def build_profile(
         profile["draft_model"] = {
             "shape": f"{draft_model.config.arch}: hidden {draft_model.config.hidden_size}, "
             f"{draft_model.config.num_layers} layers",
-            "rows_ms_per_step": time_draft_steps(draft_model, draft_rows, repeats),
+            # at the target's reference context: a step reads every drafting request's KV
+            "rows_ms_per_step": time_draft_steps(
+                draft_model, draft_rows, repeats, context_len=ref
+            ),
+            "context_len": ref,
             "note": "one chain step; a depth-D chain costs D-1 steps",
         }
     return profile
