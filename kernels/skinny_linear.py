@@ -1,0 +1,289 @@
+"""y = x @ W^T for 1-16 rows of x: a Triton kernel built for weight bandwidth.
+
+At decode sizes a linear layer reads every weight once and does almost no arithmetic per byte,
+so its time is the weight bytes over the memory bandwidth. The kernel is laid out for that:
+
+- grid (N / BLOCK_N, SPLIT_K): each program streams [BLOCK_N, BLOCK_K] tiles of W along K (the
+  contiguous dimension, so a warp's loads are coalesced 16-byte vectors) over its K range, and
+  re-reads the few rows of x (a few KB, L2-resident) per tile;
+- the products go through `tl.dot` with the rows padded to 16 (tensor cores, W as the wide
+  operand: [BLOCK_N, BLOCK_K] x [BLOCK_K, 16]), or, for 1-2 rows, through fp32 multiply-adds and
+  a reduction over K (`use_dot=False`), which skips the shared-memory staging of the dot path;
+- split-K when N / BLOCK_N programs would leave SMs idle: each split writes fp32 partial sums to
+  a [SPLIT_K, M, N] buffer and a second small kernel adds them in a fixed order (deterministic,
+  unlike fp32 atomics), adds the bias and casts to the output dtype.
+
+Every launch has a grid fixed by the shapes and allocates only through torch's caching
+allocator, so it can be captured in a CUDA graph. Accumulation is fp32; output has x's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # the kernel's row limit; more rows go to cuBLAS
+DOT_ROWS = 16  # tl.dot needs at least 16 along each dimension: rows are padded to this
+_REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int  # output features (rows of W) per program
+    block_k: int  # K elements per loaded tile
+    split_k: int  # programs along K; 1 = no partial buffer, no second kernel
+    num_warps: int
+    num_stages: int
+    use_dot: bool  # tensor-core dot (rows padded to 16) or fp32 multiply-add and reduction
+
+    @property
+    def name(self) -> str:
+        kind = "dot" if self.use_dot else "fma"
+        return (
+            f"{kind}_n{self.block_n}_k{self.block_k}_s{self.split_k}"
+            f"_w{self.num_warps}_p{self.num_stages}"
+        )
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _skinny_linear_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    num_rows,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    k_start = pid_k * k_per_split
+    n_mask = offs_n < N
+    m_mask = offs_m < num_rows
+    # [BLOCK_N, BLOCK_K] tile of W, K contiguous; int64 offsets: lm_head has 622M elements.
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]  # [BLOCK_M, BK]
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        if EVEN_K:
+            x_mask = m_mask[:, None]
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = (k_start + k + offs_k) < K
+            x_mask = m_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if USE_DOT:
+            acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, BLOCK_M]
+        else:
+            prod = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+            acc += tl.sum(prod, axis=2)  # [BLOCK_M, BLOCK_N]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if USE_DOT:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if WRITE_PARTIAL:
+        part_ptrs = part_ptr + (pid_k * num_rows + offs_m[:, None]) * N + offs_n[None, :]
+        tl.store(part_ptrs, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    num_rows,
+    N,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    row = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    mask = offs < N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: the same sum on every run
+        total += tl.load(part_ptr + (s * num_rows + row) * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def k_per_split(k: int, block_k: int, split_k: int) -> int:
+    """K elements per split: a multiple of block_k covering K in at most split_k pieces."""
+    return triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+
+
+def skinny_linear(
+    x: torch.Tensor,  # [M, K], M <= 16
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """x @ weight^T (+ bias) -> [M, N] in x's dtype, accumulated in fp32."""
+    assert x.dim() == 2 and weight.dim() == 2, "x [M, K] and weight [N, K]"
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k, f"K mismatch: x {tuple(x.shape)} weight {tuple(weight.shape)}"
+    assert 1 <= num_rows <= MAX_ROWS, f"1..{MAX_ROWS} rows, got {num_rows}"
+    assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "K must be contiguous"
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous()
+    cfg = config or choose_config(n, k, num_rows, _num_sms(x.device))
+    block_m = DOT_ROWS if cfg.use_dot else triton.next_power_of_2(num_rows)
+    assert block_m >= num_rows, f"{cfg.name} cannot take {num_rows} rows"
+    per_split = k_per_split(k, cfg.block_k, cfg.split_k)
+    num_splits = triton.cdiv(k, per_split)  # the last splits may be empty when K is small
+    out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)  # [M, N]
+    split = num_splits > 1
+    # [num_splits, M, N] fp32 partial sums; from the caching allocator, so graph-capture safe.
+    part = (
+        torch.empty((num_splits, num_rows, n), dtype=torch.float32, device=x.device)
+        if split
+        else out
+    )
+    bias_arg = bias if bias is not None else out
+    grid = (triton.cdiv(n, cfg.block_n), num_splits)
+    _skinny_linear_kernel[grid](
+        x,
+        weight,
+        bias_arg,
+        out,
+        part,
+        num_rows,
+        n,
+        k,
+        per_split,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        USE_DOT=cfg.use_dot,
+        WRITE_PARTIAL=split,
+        HAS_BIAS=bias is not None and not split,
+        EVEN_N=n % cfg.block_n == 0,
+        EVEN_K=k % per_split == 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split:
+        _reduce_splits_kernel[(triton.cdiv(n, _REDUCE_BLOCK), num_rows)](
+            part,
+            bias_arg,
+            out,
+            num_rows,
+            n,
+            out.stride(0),
+            SPLIT_K=num_splits,
+            BLOCK=_REDUCE_BLOCK,
+            HAS_BIAS=bias is not None,
+            num_warps=4,
+        )
+    return out
+
+
+def skinny_linear_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """The same product in fp32 through torch, cast back to x's dtype. -> [M, N]"""
+    out = x.float() @ weight.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+# Picked configs per (N, K) and row bucket, filled from `python -m kernels.bench_linear` on the
+# target GPU (its record's `table_entries`). Shapes not listed take the rule in choose_config.
+TUNED: dict[tuple[int, int, int], SkinnyConfig] = {}
+ROW_BUCKETS = (1, 2, 4, 8, 16)
+
+
+def row_bucket(num_rows: int) -> int:
+    return next(b for b in ROW_BUCKETS if num_rows <= b)
+
+
+def fill_split(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Smallest power-of-two split that puts at least one program on every SM (at least two
+    tiles of K per split)."""
+    programs = triton.cdiv(n, block_n)
+    split = 1
+    while programs * split < num_sms and k // (split * 2) >= 2 * block_k:
+        split *= 2
+    return split
+
+
+def choose_config(n: int, k: int, num_rows: int, num_sms: int) -> SkinnyConfig:
+    """The table's entry for this shape, else a rule: dot tiles of 64 x 256 in 4 warps and 3
+    stages (32 KB of W per stage), fp32 multiply-add for a single row, split-K to fill the SMs."""
+    tuned = TUNED.get((n, k, row_bucket(num_rows)))
+    if tuned is not None:
+        return tuned
+    block_n, block_k = 64, 256
+    use_dot = num_rows > 1
+    if not use_dot:
+        block_n, block_k = 32, 256
+    split = fill_split(n, k, block_n, block_k, num_sms)
+    return SkinnyConfig(block_n, block_k, split, 4, 3 if use_dot else 2, use_dot)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 8  # the interpreter: any small count
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """F.linear with the skinny kernel for 1-16 contiguous rows of fp16/bf16; anything else
+    (more rows, other layouts or dtypes) goes to torch. -> [M, N]"""
+    num_rows = x.shape[0] if x.dim() == 2 else 0
+    if (
+        1 <= num_rows <= MAX_ROWS
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.dtype == weight.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and (bias is None or bias.is_contiguous())
+    ):
+        return skinny_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
