@@ -141,7 +141,7 @@ def test_gpu_model_shapes(n, k, num_rows):
     x, w, _ = _inputs(num_rows, n, k, torch.bfloat16, seed=n + num_rows, with_bias=False)
     ref = torch.nn.functional.linear(x, w).float()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for cfg in bench_linear.candidates(n, k, num_rows, num_sms)[:4] + [None]:
+    for cfg in [*bench_linear.candidates(n, k, num_rows, num_sms)[:4], None]:
         out = skinny_linear(x, w, None, cfg).float()
         assert (out - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
 
