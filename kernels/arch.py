@@ -11,7 +11,7 @@ Families:
   SM; programs per SM by tile size read off the compiled binaries' registers and shared memory
   (tests/kernels/attention_sm90_compile.py checks them); lazy rescaling and one-tile-ahead q.k
   off, both slower on most swept shapes.
-  Two shape rules for the 128-vector tiles (16 rows x GQA 8), both from host-known shapes only
+  Shape rules for the 128-vector tiles (16 rows x GQA 8), all from host-known shapes only
   (`plan_launch` applies them). Stages: split launches, whose grid is one wave of programs,
   take 2 stages and unsplit grids of several waves 3; the sweep of 2026-11-29 21:08 UTC put 2
   stages ahead at batch 16 / 8k (207 against 212 us) and batch 1 / 32k (69 against 71 us) and
@@ -21,6 +21,14 @@ Families:
   30.4 us with 64-vector tiles in the 19:37 record against 23.3 and 36.1 us with 128-vector
   tiles at 21:14, while grids at 97% of the slots (batch 16 at 1k, batch 1 at 32k) were faster
   with 128-vector tiles (49.0 against 59.5 us, 69.1 against 85 us).
+  Short contexts (block tables under 4096 tokens: the decode graphs of contexts up to 2k
+  with 16-token pages): the sweep of 2026-11-29 23:02 UTC timed batch 16 / 1k / 16 rows at 49.2 us
+  with 128-vector tiles in 2 splits (97% of the slots) against 36.1 us with 64-vector tiles
+  unsplit, and batch 1 / 1k at 18.8 us (16 rows) and 18.5 us (8 rows) with 2 splits of 512
+  tokens against 14.6 and 11.5 us with 8 splits of 128 (64-vector tiles, 3 stages). So below
+  `short_ctx_len` the fill rule counts the 128-vector grid without its splits (batch 64 / 1k
+  keeps its unsplit 128-vector tiles, 194% of the slots) and splits may be 128 tokens short;
+  contexts of 4096 tokens and more plan as before.
   `python -m kernels.bench --sweep` times each rule's choice against the alternatives.
 - `ampere_ada`: sm80/86/89. mma.sync tiles, smaller shared memory on the consumer parts.
 - `cdna3`: gfx94x (MI300). wave64, 64 KB LDS per CU, MFMA.
@@ -68,6 +76,12 @@ class AttentionTiles:
     waves_per_eu: int  # AMD only: occupancy hint, 0 leaves it to the compiler
     min_split_len: int  # fewest KV tokens worth a split of their own
     max_splits: int
+    # Block-table capacities (KV tokens) under this count as short contexts; 0: none. There a
+    # split costs about what it saves (its partials are written and merged for little KV), so
+    # the fallback rule above counts a grid of larger tiles without its splits, and a grid
+    # below one wave may split down to `min_split_len_short` tokens.
+    short_ctx_len: int
+    min_split_len_short: int
     # Programs one SM / CU holds at once, by query vectors per tile, at `num_stages` (the split
     # rule fills these slots): 16, 32, 33..64 and more than 64 (at the `*_large` settings).
     programs_per_sm_m16: int
@@ -98,7 +112,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             num_stages_large=3, num_stages_large_split=2,
             min_fill_pct_large=50, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=128, waves_per_eu=0,
-            min_split_len=512, max_splits=32, programs_per_sm_m16=4, programs_per_sm_m32=3,
+            min_split_len=512, max_splits=32, short_ctx_len=4096,
+            min_split_len_short=128, programs_per_sm_m16=4, programs_per_sm_m32=3,
             programs_per_sm=2,
             programs_per_sm_large=2,
         ),
@@ -116,7 +131,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             num_stages_large=2, num_stages_large_split=2,
             min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=0,
-            min_split_len=512, max_splits=32, programs_per_sm_m16=4, programs_per_sm_m32=4,
+            min_split_len=512, max_splits=32, short_ctx_len=0,
+            min_split_len_short=512, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
             programs_per_sm_large=2,
         ),
@@ -134,7 +150,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             num_stages_large=1, num_stages_large_split=1,
             min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=2,
-            min_split_len=512, max_splits=32, programs_per_sm_m16=4, programs_per_sm_m32=4,
+            min_split_len=512, max_splits=32, short_ctx_len=0,
+            min_split_len_short=512, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
             programs_per_sm_large=2,
         ),
@@ -152,7 +169,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             num_stages_large=1, num_stages_large_split=1,
             min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=2,
-            min_split_len=256, max_splits=16, programs_per_sm_m16=4, programs_per_sm_m32=4,
+            min_split_len=256, max_splits=16, short_ctx_len=0,
+            min_split_len_short=256, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
             programs_per_sm_large=2,
         ),
@@ -170,7 +188,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             num_stages_large=1, num_stages_large_split=1,
             min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=2,
-            min_split_len=256, max_splits=16, programs_per_sm_m16=4, programs_per_sm_m32=4,
+            min_split_len=256, max_splits=16, short_ctx_len=0,
+            min_split_len_short=256, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
             programs_per_sm_large=2,
         ),
@@ -188,7 +207,8 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             num_stages_large=1, num_stages_large_split=1,
             min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
             max_regs_large=0, waves_per_eu=0,
-            min_split_len=256, max_splits=16, programs_per_sm_m16=2, programs_per_sm_m32=2,
+            min_split_len=256, max_splits=16, short_ctx_len=0,
+            min_split_len_short=256, programs_per_sm_m16=2, programs_per_sm_m32=2,
             programs_per_sm=2,
             programs_per_sm_large=1,
         ),

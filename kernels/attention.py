@@ -354,12 +354,14 @@ def choose_num_splits(
 
     The count rounds down: one program past a full wave costs a second wave of the same
     length. `max_kv_len` is the block table's capacity, an upper bound of every sequence's
-    length; a split is worth launching only for `min_split_len` tokens or more.
+    length; a split is worth launching only for `min_split_len` tokens or more, or
+    `min_split_len_short` at short contexts (where few long splits leave slots idle).
     """
     tiles = arch_config(device).attention
     programs = max(1, num_tiles * num_kv_heads)
     want = split_slots(device, block_m) // programs
-    worth = max(1, max_kv_len // tiles.min_split_len)
+    short = max_kv_len < tiles.short_ctx_len
+    worth = max(1, max_kv_len // (tiles.min_split_len_short if short else tiles.min_split_len))
     return max(1, min(want, worth, tiles.max_splits))
 
 
@@ -377,6 +379,17 @@ class AttentionLaunch:
     lazy_rescale: bool
     pipeline_qk: bool
     max_regs: int  # 0: the compiler's choice
+
+
+def fallback_fill_pct(
+    device: torch.device, block_m: int, programs: int, num_splits: int, max_kv_len: int
+) -> float:
+    """Percent of the program slots a grid of `programs` per split x `num_splits` fills, as the
+    fallback rule counts it: without its splits at short contexts (under `short_ctx_len`
+    tokens), where a split's partials and merge cost about what the extra programs save."""
+    tiles = arch_config(device).attention
+    counted_splits = num_splits if max_kv_len >= tiles.short_ctx_len else 1
+    return 100 * programs * counted_splits / split_slots(device, block_m)
 
 
 def _tile_grid(
@@ -418,10 +431,13 @@ def plan_launch(
     graph replays the launch it was captured with).
 
     - Rows per tile: all of a sequence's rows up to `max_block_m` query vectors. A tile of more
-      than 64 vectors whose grid (tiles x KV heads x splits) would fill less than
-      `min_fill_pct_large` percent of its program slots falls back to tiles of up to 64 vectors:
-      twice the programs keep more SMs busy than one read of the KV per sequence saves. A
-      `rows_per_tile` the caller gives is kept.
+      than 64 vectors whose grid (tiles x KV heads x splits; without the splits at contexts
+      under `short_ctx_len`) would fill less than `min_fill_pct_large` percent of its program
+      slots falls back to tiles of up to 64 vectors: twice the programs keep more SMs busy than
+      one read of the KV per sequence saves. A `rows_per_tile` the caller gives is kept.
+    - Splits: as many as fill one wave of program slots, each at least `min_split_len` KV
+      tokens long (`min_split_len_short` at contexts under `short_ctx_len`), see
+      `choose_num_splits`; a `num_splits` the caller gives is kept.
     - Stages: tiles of more than 64 vectors take `num_stages_large_split` in split launches (one
       wave of programs) and `num_stages_large` otherwise. A split launch of smaller tiles takes
       `num_stages_split` when its split count was capped (by `max_splits` or by the context
@@ -443,7 +459,7 @@ def plan_launch(
         rows_hint = max_q_len if max_q_len is not None else triton.cdiv(num_rows, max(1, num_seqs))
         rows_per_tile = choose_rows_per_tile(tiles.max_block_m, group, rows_hint)
         block_m, programs, splits = _tile_grid(device, rows_per_tile=rows_per_tile, **shape)
-        fill_pct = 100 * programs * splits / split_slots(device, block_m)
+        fill_pct = fallback_fill_pct(device, block_m, programs, splits, max_kv_len)
         if block_m > 64 and fill_pct < tiles.min_fill_pct_large:
             rows_per_tile = choose_rows_per_tile(min(64, tiles.max_block_m), group, rows_hint)
     assert rows_per_tile >= 1

@@ -20,8 +20,8 @@ run. Each shape's record carries its launch plan (tile, splits, warps, stages) a
 launches, the time of the merge kernel alone. `--sweep` checks the tile rules of
 `plan_launch` instead of running the grid: per shape (RULE_SHAPES or `--shapes`) it times every
 candidate launch the rules choose between (RULE_VARIANTS: 128- against 64- and 32-vector tiles,
-2 against 3 stages, shorter splits) and the launch the committed entry picks, each checked
-against SDPA, and writes sweep.json and sweep.md. Every
+2 against 3 stages, short contexts' short splits against 512-token ones) and the launch the
+committed entry picks, each checked against SDPA, and writes sweep.json and sweep.md. Every
 kernel variant is compiled first in parallel worker processes (`kernels.bench_compile`), so the
 GPU machine's time goes to timing rather than to one-at-a-time compilation.
 """
@@ -44,7 +44,12 @@ import triton.testing
 from kernels import arch
 from kernels.accept import accept_greedy, accept_rejection
 from kernels.argmax import argmax_rows, topk_rows
-from kernels.attention import merge_splits, plan_launch, split_slots, verify_attention
+from kernels.attention import (
+    fallback_fill_pct,
+    merge_splits,
+    plan_launch,
+    verify_attention,
+)
 from kernels.norms import rms_norm, silu_and_mul
 from kernels.rope_kv import rope_and_write_kv
 
@@ -109,12 +114,18 @@ RULE_SHAPES = (
     (1, 1024, 8, 8),  # 64-vector tiles in a small grid: do 32-vector tiles or more splits help?
     (1, 8192, 16, 8),  # 128-vector grid at 48% of its slots: falls back
     (1, 32768, 16, 8),  # 97% of the slots: keeps 128-vector tiles, split: 2 stages
-    (16, 1024, 16, 8),  # 97% of the slots, split: 2 stages
+    (16, 1024, 16, 8),  # short context: 128-vector grid at 48% unsplit: 64-vector tiles
+    (8, 1024, 8, 8),  # short context, 64 programs: 4 splits of 256 tokens
+    (16, 1024, 8, 8),  # short context, 128 programs: 2 splits, as at 512-token splits
+    (16, 2048, 16, 8),  # short context: 64-vector tiles unsplit against 128-vector in 2 splits
 )
 # (label, changes to the entry) of each candidate. The 128-vector ones switch the fallback off
 # so they keep 128-vector tiles wherever 16 rows x GQA 8 ask for them; stage counts are forced
-# for split and unsplit launches alike; "min split 128" lets short contexts split 4x further.
+# for split and unsplit launches alike. Splits follow the entry's rule (down to
+# `min_split_len_short` tokens at short contexts); "min split 512" holds short contexts to
+# `min_split_len` as longer ones (the same launches there).
 _VEC128 = {"max_block_m": 128, "min_fill_pct_large": 0}
+_SPLIT512 = {"min_split_len_short": 512}
 RULE_VARIANTS: tuple[tuple[str, dict], ...] = (
     ("128 vec 2 st", {**_VEC128, "num_stages_large": 2, "num_stages_large_split": 2}),
     ("128 vec 3 st", {**_VEC128, "num_stages_large": 3, "num_stages_large_split": 3}),
@@ -122,12 +133,12 @@ RULE_VARIANTS: tuple[tuple[str, dict], ...] = (
     ("64 vec 3 st", {"max_block_m": 64, "num_stages": 3, "num_stages_split": 3}),
     ("32 vec 2 st", {"max_block_m": 32, "num_stages": 2, "num_stages_split": 2}),
     (
-        "128 vec 2 st min split 128",
-        {**_VEC128, "num_stages_large": 2, "num_stages_large_split": 2, "min_split_len": 128},
+        "128 vec 2 st min split 512",
+        {**_VEC128, "num_stages_large": 2, "num_stages_large_split": 2, **_SPLIT512},
     ),
     (
-        "64 vec 3 st min split 128",
-        {"max_block_m": 64, "num_stages": 3, "num_stages_split": 3, "min_split_len": 128},
+        "64 vec 3 st min split 512",
+        {"max_block_m": 64, "num_stages": 3, "num_stages_split": 3, **_SPLIT512},
     ),
 )
 PICKED = "picked"  # the label of the committed entry's own launch
@@ -390,8 +401,9 @@ def launch_of(device: torch.device, batch: int, ctx: int, rows: int, gqa: int):
 
 
 def large_grid_fill_pct(device: torch.device, batch: int, ctx: int, rows: int, gqa: int) -> float:
-    """Percent of the program slots the shape's grid of 128-vector tiles would fill (the
-    fallback rule's measure) under the current entry; 0 when the shape has smaller tiles."""
+    """Percent of the program slots the shape's grid of 128-vector tiles would fill as the
+    fallback rule counts it (without splits at short contexts) under the current entry; 0 when
+    the shape has smaller tiles."""
     base = arch.arch_config(device).attention
     set_attention_tiles(device, min_fill_pct_large=0)
     try:
@@ -401,8 +413,8 @@ def large_grid_fill_pct(device: torch.device, batch: int, ctx: int, rows: int, g
     if launch.block_m <= 64:
         return 0.0
     tiles = max(triton.cdiv(batch * rows, launch.rows_per_tile), batch)  # as plan_launch counts
-    programs = tiles * NUM_KV_HEADS * launch.num_splits
-    return 100 * programs / split_slots(device, launch.block_m)
+    programs = tiles * NUM_KV_HEADS
+    return fallback_fill_pct(device, launch.block_m, programs, launch.num_splits, ctx)
 
 
 def rule_candidates(

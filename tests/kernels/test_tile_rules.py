@@ -1,6 +1,7 @@
 """The shape rules of `plan_launch` for tiles of more than 64 query vectors: stages by split,
-the fall back to 64-vector tiles when their grid fills too few program slots, the kernel's
-results on the paths those rules choose, and the benchmark's sweep that times the candidates."""
+the fall back to 64-vector tiles when their grid fills too few program slots (counted without
+splits at short contexts), short contexts' shorter splits, the kernel's results on the paths
+those rules choose, and the benchmark's sweep that times the candidates."""
 
 from __future__ import annotations
 
@@ -68,16 +69,25 @@ def _plan(device, batch, ctx, rows, gqa, **kwargs):
 
 # (batch, ctx, rows, GQA) -> (query vectors per tile, splits, stages) the Hopper entry picks.
 H200_PICKS = {
-    (1, 1024, 16, 8): (64, 2, 3),  # 128-vector grid: 16 of 264 slots -> 64-vector tiles
+    # Short contexts (under 4096 tokens): the 128-vector grid counted without splits, splits
+    # down to 128 tokens.
+    (1, 1024, 16, 8): (64, 8, 3),  # 8 of 264 slots -> 64-vector tiles; 8 splits, capped
+    (1, 1024, 8, 8): (64, 8, 3),  # 8 programs: 8 splits of 128 tokens, capped below 33
+    (8, 1024, 8, 8): (64, 4, 2),  # 64 programs: 4 splits fill 256 of 264
+    (16, 1024, 8, 8): (64, 2, 2),  # 128 programs: 2 splits, as with 512-token splits
+    (8, 1024, 16, 8): (64, 2, 2),  # 64 of 264 -> 64-vector tiles
+    (16, 1024, 16, 8): (64, 1, 2),  # 128 of 264 unsplit -> 64-vector tiles, 256: unsplit
+    (16, 2048, 16, 8): (64, 1, 2),
+    (64, 1024, 16, 8): (128, 1, 3),  # 512 of 264 unsplit: 128-vector tiles stay
+    # 4096 tokens and more: as before the short-context rules.
     (1, 8192, 16, 8): (64, 16, 2),  # 128 of 264 slots (48%) -> 64-vector tiles
-    (8, 1024, 16, 8): (64, 2, 2),  # 128 of 264 -> 64-vector tiles
     (1, 32768, 16, 8): (128, 32, 2),  # 256 of 264: 128-vector tiles, split: 2 stages
-    (16, 1024, 16, 8): (128, 2, 2),
+    (16, 4096, 16, 8): (128, 2, 2),
     (16, 8192, 16, 8): (128, 2, 2),
     (16, 32768, 16, 8): (128, 2, 2),
     (64, 8192, 16, 8): (128, 1, 3),  # unsplit, two waves: 3 stages
     (16, 8192, 8, 8): (64, 2, 2),  # 64-vector tiles: neither rule applies
-    (1, 1024, 8, 8): (64, 2, 3),
+    (1, 8192, 8, 8): (64, 16, 3),  # 512-token splits: 16, capped
 }
 
 
@@ -93,10 +103,25 @@ def test_a_given_tile_or_split_count_is_kept(h200):
     # Rows per tile given by the caller: no fall back, however small the grid.
     forced = _plan(h200, 1, 1024, 16, 8, rows_per_tile=16)
     assert forced.block_m == 128 and forced.num_stages == 2
-    # A given split count is the grid's: 8 programs x 32 splits fill 97% of the slots.
-    assert _plan(h200, 1, 1024, 16, 8, num_splits=32).block_m == 128
+    # A given split count is the grid's: 8 programs x 32 splits fill 97% of the slots, but at
+    # a short context the fill is counted without splits.
+    assert _plan(h200, 1, 8192, 16, 8, num_splits=32).block_m == 128
+    short = _plan(h200, 1, 2048, 16, 8, num_splits=32)
+    assert (short.block_m, short.num_splits) == (64, 32)
     unsplit = _plan(h200, 1, 32768, 16, 8, num_splits=1)  # 8 of 264 slots
     assert (unsplit.block_m, unsplit.num_splits) == (64, 1)
+
+
+def test_short_context_rules_end_at_the_threshold(h200):
+    short_ctx_len = arch.arch_config(h200).attention.short_ctx_len
+    assert short_ctx_len == 4096
+    below = _plan(h200, 16, short_ctx_len - 16, 16, 8)
+    at = _plan(h200, 16, short_ctx_len, 16, 8)
+    assert (below.block_m, below.num_splits) == (64, 1)
+    assert (at.block_m, at.num_splits) == (128, 2)
+    # Splits of 128 tokens below the threshold, 512 from it on: one 64-vector tile x 8 heads.
+    assert _plan(h200, 1, short_ctx_len - 16, 8, 8).num_splits == (short_ctx_len - 16) // 128
+    assert _plan(h200, 1, short_ctx_len, 8, 8).num_splits == short_ctx_len // 512
 
 
 # The fixture only patches the device lookup; the test restores the entry it edits.
@@ -119,17 +144,69 @@ def test_rules_against_the_plan_without_them(h200, batch, pages, rows, gqa):
         plain = _plan(h200, batch, ctx, rows, gqa)  # 128-vector tiles wherever they fit
     finally:
         bench.set_attention_tiles(h200, **entry)
+    if picked.num_splits > 1:  # each split worth its launch: 128 tokens when short, else 512
+        assert ctx // picked.num_splits >= (128 if ctx < 4096 else 512)
     if plain.block_m <= 64:
         assert picked == plain  # small tiles: untouched
         return
-    programs = max(-(-batch * rows // plain.rows_per_tile), batch) * 8 * plain.num_splits
-    fills = 100 * programs >= 50 * split_slots(h200, plain.block_m)
+    programs = max(-(-batch * rows // plain.rows_per_tile), batch) * 8
+    counted = programs * (plain.num_splits if ctx >= 4096 else 1)  # short: splits don't count
+    fills = 100 * counted >= 50 * split_slots(h200, plain.block_m)
     if fills:
         assert picked == plain
         assert picked.num_stages == (2 if picked.num_splits > 1 else 3)
     else:
         assert picked.rows_per_tile == choose_rows_per_tile(64, gqa, rows) < plain.rows_per_tile
         assert picked.block_m == 64 and picked.num_warps == 4
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batch=st.integers(1, 80),
+    pages=st.integers(256, 4096),  # 4096 tokens and more
+    rows=st.integers(1, 16),
+    gqa=st.sampled_from([1, 2, 4, 8, 16]),
+)
+def test_long_contexts_plan_as_without_the_short_rules(h200, batch, pages, rows, gqa):
+    picked = _plan(h200, batch, 16 * pages, rows, gqa)
+    entry = dataclasses.asdict(arch.arch_config(h200).attention)
+    bench.set_attention_tiles(h200, short_ctx_len=0)
+    try:
+        assert _plan(h200, batch, 16 * pages, rows, gqa) == picked
+    finally:
+        bench.set_attention_tiles(h200, **entry)
+
+
+def test_short_context_fall_back_and_splits_compute_the_same_attention(tiles):
+    # One sequence of 16 rows x GQA 8 at a short context: one 128-vector program x 4 splits
+    # would fill all 4 of the interpreter's large slots, but counted without its splits it
+    # fills 25%, so it runs as two 64-vector tiles, each in 4 splits of 16 tokens (2 at the
+    # 32-token minimum of longer contexts), merged.
+    tiles(
+        max_block_m=128, min_fill_pct_large=50, block_n=16, block_n_large=16,
+        programs_per_sm=2, programs_per_sm_large=1, min_split_len=32, max_splits=4,
+        short_ctx_len=128, min_split_len_short=16,
+    )  # fmt: skip
+    batch = ragged_batch(
+        [16], [50], num_q_heads=8, num_kv_heads=1, head_dim=64, page_size=8,
+        dtype=torch.float32, device=DEV,
+    )  # fmt: skip
+    max_kv_len = batch[5].shape[1] * 8
+    assert max_kv_len == 80 < 128
+    shape = {"num_rows": 16, "num_seqs": 1, "num_q_heads": 8, "num_kv_heads": 1, "max_q_len": 16}
+    launch = plan_launch(torch.device(DEV), max_kv_len=max_kv_len, **shape)
+    assert (launch.rows_per_tile, launch.block_m, launch.num_splits) == (8, 64, 4)
+    check_attention(batch, max_q_len=16)
+    # The same shape as a long context: 2 splits, and the 128-vector grid counts them.
+    tiles(
+        max_block_m=128, min_fill_pct_large=50, block_n=16, block_n_large=16,
+        programs_per_sm=2, programs_per_sm_large=1, min_split_len=32, max_splits=4,
+        short_ctx_len=0, min_split_len_short=16,
+    )  # fmt: skip
+    long = plan_launch(torch.device(DEV), max_kv_len=max_kv_len, **shape)
+    assert (long.block_m, long.num_splits) == (128, 2)
 
 
 def test_fall_back_computes_the_same_attention(tiles):
@@ -187,12 +264,21 @@ def test_sweep_candidates_share_identical_launches(h200):
         assert (picked["block_m"], picked["num_splits"], picked["num_stages"]) == H200_PICKS[shape]
     # Each rule's pick is one of the candidates it chose between.
     same = {shape: cands[-1]["same_as"] for shape, cands in by_shape.items()}
-    assert same[(1, 1024, 16, 8)] == "64 vec 3 st"
+    assert same[(1, 1024, 16, 8)] == "64 vec 3 st"  # 8 splits of 128 tokens
+    assert same[(16, 1024, 16, 8)] == "64 vec 2 st"  # unsplit
+    assert same[(16, 2048, 16, 8)] == "64 vec 2 st"
+    assert same[(8, 1024, 8, 8)] == "128 vec 2 st"  # 64-vector tiles, 4 splits, 2 stages
+    # "min split 512" gives short contexts their old split counts and long ones the same launch
+    held = {c["label"]: c for c in by_shape[(1, 1024, 8, 8)]}["64 vec 3 st min split 512"]
+    assert held["launch"]["num_splits"] == 2  # against the pick's 8
+    held = {c["label"]: c for c in by_shape[(1, 8192, 16, 8)]}["64 vec 3 st min split 512"]
+    assert held["same_as"] == "64 vec 3 st"
     assert same[(1, 8192, 16, 8)] == "64 vec 2 st"
     assert same[(16, 8192, 16, 8)] == "128 vec 2 st"
     assert same[(64, 8192, 16, 8)] == "128 vec 3 st"
     assert bench.large_grid_fill_pct(h200, 1, 8192, 16, 8) == pytest.approx(100 * 128 / 264)
     assert bench.large_grid_fill_pct(h200, 16, 8192, 8, 8) == 0.0
+    assert bench.large_grid_fill_pct(h200, 16, 1024, 16, 8) == pytest.approx(100 * 128 / 264)
     assert arch.FAMILY_CONFIGS["hopper"].attention.min_fill_pct_large == 50  # restored
 
 
