@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from executor.model_config import ModelConfig
-from executor.ops import select_ops
+from executor.ops import select_ops, skinny_linear_enabled
 from executor.rope import build_cos_sin_cache
 
 
@@ -69,6 +69,7 @@ class Model:
         self.device = device
         self.dtype = dtype
         self.ops = select_ops(device, ops_backend)
+        self.route_linear_through_ops = skinny_linear_enabled()
         self.max_position = max_position or config.max_position
         self.cos_sin = build_cos_sin_cache(
             config.rope, config.head_dim, self.max_position, device
@@ -92,6 +93,7 @@ class Model:
     ) -> torch.Tensor:
         """Returns the final-normed hidden states [num_rows, hidden]."""
         cfg, ops = self.config, self.ops
+        linear = self._linear()
         num_rows = input_ids.shape[0]
         hidden = self.weights.embed[input_ids]  # [num_rows, hidden]
         residual = None
@@ -101,7 +103,7 @@ class Model:
                 x = ops.rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps)
             else:
                 x, residual = ops.rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps, residual)
-            qkv = torch.nn.functional.linear(x, lw.qkv, lw.qkv_bias)  # [num_rows, q + 2 kv]
+            qkv = linear(x, lw.qkv, lw.qkv_bias)  # [num_rows, q + 2 kv]
             # q/k head norm (Qwen3), RoPE and the K/V store read qkv in place in one pass.
             q = ops.qk_norm_rope_and_write_kv(
                 qkv,
@@ -126,14 +128,17 @@ class Model:
                 self.scale,
                 max_q_len=meta.max_q_len,
             )  # [num_rows, num_q_heads, head_dim]
-            hidden = torch.nn.functional.linear(attn.reshape(num_rows, cfg.q_size), lw.o_proj)
+            hidden = linear(attn.reshape(num_rows, cfg.q_size), lw.o_proj)
             x, residual = ops.rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps, residual)
-            hidden = torch.nn.functional.linear(
-                ops.silu_and_mul(torch.nn.functional.linear(x, lw.gate_up)), lw.down
-            )
+            hidden = linear(ops.silu_and_mul(linear(x, lw.gate_up)), lw.down)
         out, _ = ops.rms_norm(hidden, self.weights.final_norm, cfg.rms_norm_eps, residual)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32."""
-        return torch.nn.functional.linear(hidden, self.weights.lm_head).float()
+        return self._linear()(hidden, self.weights.lm_head).float()
+
+    def _linear(self):
+        """The linear layers' GEMM: the op set's (skinny kernel where it measured faster) when
+        routed through it, else torch's F.linear."""
+        return self.ops.linear if self.route_linear_through_ops else torch.nn.functional.linear

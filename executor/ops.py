@@ -4,9 +4,21 @@ references elsewhere (same signatures and layouts). The model never branches on 
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 
 import torch
+
+# Linear layers through `ops.linear` (kernels.skinny_linear: Triton at 1-16 rows where its table
+# holds a measured win over cuBLAS, torch otherwise) instead of torch's F.linear directly. The
+# default follows the H200 benchmark (python -m kernels.bench_linear); HIPFIRE_SKINNY_LINEAR=1/0
+# overrides it.
+SKINNY_LINEAR_DEFAULT = False
+
+
+def skinny_linear_enabled() -> bool:
+    value = os.environ.get("HIPFIRE_SKINNY_LINEAR")
+    return SKINNY_LINEAR_DEFAULT if value is None else value == "1"
 
 
 @dataclass(frozen=True)
@@ -16,6 +28,7 @@ class OpSet:
     silu_and_mul: object
     verify_attention: object
     argmax_rows: object
+    linear: object  # F.linear's signature; the model calls it only when skinny_linear_enabled()
 
 
 def _load(name: str, attr: str):
@@ -29,6 +42,7 @@ def reference_ops() -> OpSet:
         silu_and_mul=_load("norms", "silu_and_mul_ref"),
         verify_attention=_load("attention", "verify_attention_ref"),
         argmax_rows=_load("argmax", "argmax_rows_ref"),
+        linear=torch.nn.functional.linear,
     )
 
 
@@ -39,6 +53,7 @@ def triton_ops() -> OpSet:
         silu_and_mul=_load("norms", "silu_and_mul"),
         verify_attention=_load("attention", "verify_attention"),
         argmax_rows=_load("argmax", "argmax_rows"),
+        linear=_load("skinny_linear", "linear"),
     )
 
 

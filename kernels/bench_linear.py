@@ -368,6 +368,19 @@ def table_entries(records: list[dict]) -> list[dict]:
     return out
 
 
+def tuned_snippet(entries: list[dict]) -> list[str]:
+    """Lines of `TUNED` dict items for the table entries."""
+    out = []
+    for e in entries:
+        c = e["config"]
+        out.append(
+            f"    ({e['n']}, {e['k']}, {e['rows']}): SkinnyConfig({c['block_n']}, {c['block_k']}, "
+            f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}, {c['use_dot']}),"
+            f"  # {e['skinny_us']} us vs {e['torch_us']} us"
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -433,7 +446,17 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         f"| {p['rows']} | {p['cublas_us']} | {p['best_of_us']} | {p['saved_us']} |" for p in proj
     ]
+    entries = record["table_entries"]
+    lines += [
+        "",
+        "`kernels.skinny_linear.TUNED` entries (the kernel's wins over every torch variant):",
+        "",
+        "```python",
+        *tuned_snippet(entries),
+        "```",
+    ]
     (args.out / "linear.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(tuned_snippet(entries)))
     print(f"wall {time.time() - t0:.1f} s; wrote {args.out / 'linear.json'}")
     return 0
 

@@ -274,8 +274,9 @@ def linear(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """F.linear with the skinny kernel for 1-16 contiguous rows of fp16/bf16; anything else
-    (more rows, other layouts or dtypes) goes to torch. -> [M, N]"""
+    """F.linear, with the skinny kernel where `TUNED` holds a measured winner for the weight's
+    shape and the row count (contiguous fp16/bf16, 1-16 rows); everything else goes to torch.
+    -> [M, N]"""
     num_rows = x.shape[0] if x.dim() == 2 else 0
     if (
         1 <= num_rows <= MAX_ROWS
@@ -285,5 +286,7 @@ def linear(
         and weight.stride(1) == 1
         and (bias is None or bias.is_contiguous())
     ):
-        return skinny_linear(x, weight, bias)
+        cfg = TUNED.get((weight.shape[0], weight.shape[1], row_bucket(num_rows)))
+        if cfg is not None:
+            return skinny_linear(x, weight, bias, cfg)
     return torch.nn.functional.linear(x, weight, bias)

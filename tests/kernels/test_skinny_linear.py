@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kernels import bench_linear
 from kernels.skinny_linear import (
     MAX_ROWS,
+    TUNED,
     SkinnyConfig,
     choose_config,
     fill_split,
@@ -76,13 +77,22 @@ def test_any_shape_and_split(num_rows, n_blocks, n_extra, k, split_k, use_dot, s
     _check(skinny_linear(x, w, bias, cfg), skinny_linear_ref(x, w, bias), torch.float32)
 
 
-def test_linear_dispatch():
-    """Up to 16 rows take the kernel; more rows and non-contiguous K go to torch."""
+def test_linear_dispatch(monkeypatch):
+    """The kernel takes shapes and row buckets with a measured winner in TUNED; more rows,
+    non-contiguous K and untuned shapes go to torch."""
+    cfg = SkinnyConfig(16, 32, 2, 4, 2, True)
+    monkeypatch.setitem(TUNED, (32, 64, 16), cfg)
     x, w, bias = _inputs(17, 32, 64, torch.float16, seed=1, with_bias=True)
     assert torch.equal(linear(x, w, bias), torch.nn.functional.linear(x, w, bias))
-    x_t = x.t().contiguous().t()[:3]  # [3, 64] with K strided
+    x_t = x.t().contiguous().t()[:10]  # [10, 64] with K strided
     assert torch.equal(linear(x_t, w), torch.nn.functional.linear(x_t, w))
-    _check(linear(x[:16], w, bias), skinny_linear_ref(x[:16], w, bias), torch.float16)
+    assert torch.equal(linear(x[:4], w), torch.nn.functional.linear(x[:4], w))  # bucket 4
+    calls = []
+    monkeypatch.setattr(
+        "kernels.skinny_linear.skinny_linear", lambda *a: calls.append(a[3]) or skinny_linear(*a)
+    )
+    _check(linear(x[:10], w, bias), skinny_linear_ref(x[:10], w, bias), torch.float16)
+    assert calls == [cfg]
 
 
 def test_rejects_bad_shapes():
