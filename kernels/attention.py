@@ -120,7 +120,10 @@ def _softmax_update(
     return acc, m_i, l_i
 
 
-@triton.jit
+# Launch-varying integers are not specialised (Triton would compile separate variants for the
+# value 1 and for multiples of 16), and the sequence-search width has a floor: a serving round's
+# sequence count must not compile a new kernel (seconds) as the batch changes.
+@triton.jit(do_not_specialize=["num_seqs", "num_rows"])
 def _verify_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_q_lens_ptr, seq_lens_ptr, block_tables_ptr,
@@ -275,7 +278,7 @@ def _verify_attention_kernel(
                 tl.store(l_ptrs, lse, m_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, cu_q_lens_ptr, num_seqs,
     stride_p_split, stride_p_row, stride_p_head,
@@ -309,6 +312,15 @@ def _merge_splits_kernel(
         merged = tl.sum(part * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
         o_ptrs = out_ptr + row64 * stride_o_row + head * stride_o_head + offs_d
         tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+# Width of the kernel's sequence search: one padded width up to 255 sequences per round.
+_MIN_SEQS_PAD = 256
+
+
+def seqs_pad(num_seqs: int) -> int:
+    """The kernel's sequence-search width for a round of `num_seqs` sequences (a constexpr)."""
+    return max(_MIN_SEQS_PAD, _next_pow2(num_seqs + 1))
 
 
 def _next_pow2(x: int) -> int:
@@ -596,7 +608,7 @@ def verify_attention(
         GROUP=group, GROUP_PAD=_next_pow2(group), ROWS_TILE=launch.rows_per_tile,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HEAD_DIM=head_dim, D_PAD=d_pad,
         EVEN_D=head_dim == d_pad, PAGE_SIZE=page_size, NUM_SPLITS=splits,
-        SEQS_PAD=_next_pow2(num_seqs + 1),
+        SEQS_PAD=seqs_pad(num_seqs),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         LAZY_RESCALE=launch.lazy_rescale, PIPELINE_QK=launch.pipeline_qk,
         num_warps=launch.num_warps, num_stages=launch.num_stages,

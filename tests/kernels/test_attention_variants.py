@@ -125,7 +125,9 @@ def test_large_tiles_take_their_own_settings(tiles):
 
 def test_split_stages_only_where_the_split_count_was_capped(tiles):
     # 8 programs (one 64-vector tile x 8 KV heads) and 8 x units slots: 8 splits fill them.
-    t = tiles(num_stages=1, num_stages_split=3, programs_per_sm=8, max_splits=1 << 12)
+    t = tiles(
+        num_stages=1, num_stages_split=3, programs_per_sm=8, max_splits=1 << 12, short_ctx_len=0
+    )
     dev = torch.device(DEV)
     shape = {"num_rows": 8, "num_seqs": 1, "num_q_heads": 64, "num_kv_heads": 8}
     fill = arch.num_compute_units(dev) * t.programs_per_sm // 8
@@ -168,12 +170,13 @@ def test_splits_never_spill_into_a_partial_wave(num_tiles, num_kv_heads, max_kv_
     assert 1 <= splits <= cfg.max_splits
     if splits > 1:
         assert programs * splits <= slots  # the split grid fits one wave
-        assert max_kv_len // splits >= cfg.min_split_len  # each split worth its launch
+        min_split = cfg.min_split_len_short if max_kv_len < cfg.short_ctx_len else cfg.min_split_len
+        assert max_kv_len // splits >= min_split  # each split worth its launch
         # as many splits as the wave, the cap and the length allow
         assert (
             programs * (splits + 1) > slots
             or splits == cfg.max_splits
-            or max_kv_len // cfg.min_split_len == splits
+            or max_kv_len // min_split == splits
         )
 
 

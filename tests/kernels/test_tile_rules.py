@@ -318,3 +318,16 @@ def test_parse_shapes():
     for bad in ("16x8192x16", "16x8190x16x8", "0x1024x1x1"):
         with pytest.raises(ValueError, match="BATCHxCTXxROWSxGQA"):
             bench.parse_shapes(bad)
+
+
+def test_round_shapes_compile_no_new_attention_variants():
+    """A serving round's sequence and row counts change every round: neither may pick a new
+    compiled variant (a compile costs seconds inside a round)."""
+    from kernels import attention
+
+    assert {attention.seqs_pad(n) for n in range(1, 256)} == {256}
+    assert attention.seqs_pad(256) == 512
+    kernel = attention._verify_attention_kernel
+    # the JIT options (kept as given when the interpreter wraps the kernel)
+    options = getattr(kernel, "kwargs", None) or {"do_not_specialize": kernel.do_not_specialize}
+    assert {"num_seqs", "num_rows"} <= set(options["do_not_specialize"])
