@@ -216,6 +216,75 @@ class RoundTimer:
         return statistics.median(times)
 
 
+_GREEDY = SamplingSpec()
+
+
+def time_rounds_ahead(timer: RoundTimer, num_rows: int, kv_len: int, repeats: int) -> float:
+    """Median period (ms) of back-to-back AR rounds of `num_rows` requests at about `kv_len`
+    tokens of context, each launched before the previous one finishes (`RoundExecutor.advance`,
+    as the engine runs them): what an AR round costs when the host's work between rounds runs
+    behind the device's."""
+    ex = timer.ex
+    if num_rows > ex.max_slots:
+        raise ValueError(f"{num_rows} AR rows need as many slots; the executor has {ex.max_slots}")
+    num_rounds = repeats + 3
+    vocab = ex.target.config.vocab_size
+    g = torch.Generator().manual_seed(num_rows * 7919 + kv_len + 1)
+    bs = ex.block_size
+    setups, blocks = [], []
+    for slot in range(num_rows):
+        context = torch.randint(0, vocab, (kv_len,), generator=g).tolist()
+        blocks.append(timer.pool.allocate(slot, -(-(kv_len + num_rounds) // bs)))
+        setups.append(
+            SeqSetup(req_id=slot, slot=slot, context_token_ids=tuple(context), sampling=_GREEDY)
+        )
+    plans = [
+        RoundPlan.from_reqs(
+            [
+                ReqPlan(
+                    req_id=slot,
+                    slot=slot,
+                    mode=Mode.AR,
+                    num_computed=kv_len - 1 + i,
+                    num_new=1,
+                    # every block in the first round's table; later rounds add none
+                    block_offset=0 if i == 0 else len(blocks[slot]),
+                    new_block_ids=blocks[slot] if i == 0 else (),
+                )
+                for slot in range(num_rows)
+            ],
+            round_id=i,
+            num_rows=num_rows,
+            row_bucket=num_rows,
+            spec_depth=1,
+        )
+        for i in range(num_rounds)
+    ]
+    saved_drafter, ex.drafter = ex.drafter, None
+    ex._apply_setup_release(RoundPlan(round_id=0, setup=tuple(setups)))
+    for slot in range(num_rows):
+        ex.rewind(slot, kv_len)  # the context taken as computed (its KV contents do not matter)
+    ends = []
+    try:
+        pending = None
+        for plan in plans:
+            launched = ex.launch(plan)
+            if pending is not None:
+                ex.finish(pending)
+                ends.append(time.perf_counter())
+            ex.advance(launched)
+            pending = launched
+        ex.finish(pending)
+        ends.append(time.perf_counter())
+    finally:
+        ex._apply_setup_release(RoundPlan(round_id=0, release=tuple(range(num_rows))))
+        ex.drafter = saved_drafter
+        for slot in range(num_rows):
+            timer.pool.free(slot)
+    periods = np.diff(ends[2:]) * 1e3  # after two rounds of warm-up
+    return float(np.median(periods))
+
+
 def time_draft_steps(
     model: Model,
     rows: tuple[int, ...],
@@ -380,6 +449,15 @@ def build_profile(
     measured = {kv_len for _, kv_len, _ in grid}
     ref = min(measured, key=lambda k: abs(k - (ref_kv_len or 1024)))
     host_ms = time_engine_overhead(engine, _host_points(ex.max_slots)) if host_overhead else []
+    # AR rounds run ahead (the engine's default): the host's build and commit hide behind the
+    # device, so such a round costs its period, a fraction of the round alone measured above
+    ahead_ratio = []
+    if engine.config.overlap_rounds:
+        alone = {n: ms for n, kv_len, ms in grid if kv_len == ref}
+        for n in rows:
+            if n <= ex.max_slots and n in alone:
+                period = time_rounds_ahead(timer, n, ref, repeats)
+                ahead_ratio.append([n, round(min(period / alone[n], 1.0), 4)])
     # (a noisy fit could price the reference context above the round itself: keep a floor)
     rows_ms = [
         [
@@ -421,6 +499,7 @@ def build_profile(
             "rows_kv_ms": grid,
             "ref_kv_len": ref,
             "host_ms_per_round": host_ms,
+            "ar_ahead_ratio": ahead_ratio,
         },
     }
     draft_model = getattr(engine.drafter, "model", None)
@@ -430,9 +509,7 @@ def build_profile(
             "shape": f"{draft_model.config.arch}: hidden {draft_model.config.hidden_size}, "
             f"{draft_model.config.num_layers} layers",
             # at the target's reference context: a step reads every drafting request's KV
-            "rows_ms_per_step": time_draft_steps(
-                draft_model, draft_rows, repeats, context_len=ref
-            ),
+            "rows_ms_per_step": time_draft_steps(draft_model, draft_rows, repeats, context_len=ref),
             "context_len": ref,
             "note": "one chain step; a depth-D chain costs D-1 steps",
         }

@@ -7,6 +7,11 @@ Predicted round time (ms), following the profile's own description:
         over num_spec rows                      (a chain of depth d_max costs d_max steps)
       + drafter prefill over the round's prefill rows (when the drafter follows prefills)
 
+An AR-only decode round (no drafts, no prefill chunk) runs ahead in the engine: the host's work
+between rounds hides behind the device's, so its cost is scaled by the profile's
+`ar_ahead_ratio` (period of rounds run ahead / the round alone, measured per row count at the
+reference context, flat past its last point; absent in older profiles: 1).
+
 `target(r)` interpolates the profiled dense cost (projections, MLP, LM head) between its points
 and extends the last segment linearly; attention is not in those numbers, hence the KV term with
 one KV scan per sequence. Rows are padded to the graph bucket (the profile's points) when the
@@ -105,6 +110,11 @@ class ProfileCost:
         else:
             self.draft_rows = np.array([1.0, 2.0])
             self.draft_ms_points = np.zeros(2)
+        ratio = np.asarray(target.get("ar_ahead_ratio") or [[1, 1.0]], dtype=np.float64)
+        # flat outside the measured row counts (np.interp clamps)
+        self._ahead_ratio = _Curve(
+            np.interp(np.arange(TABLE_ROWS), ratio[:, 0], np.clip(ratio[:, 1], 0.05, 1.0)), 0.0
+        )
         # Graph buckets are the profiled row counts: these are the shapes that were measured.
         self.row_buckets = np.asarray(self.target_rows, dtype=np.int64)  # [num_points]
         self.name = profile.get("name", "profile")
@@ -167,6 +177,8 @@ class ProfileCost:
         target = self._target if np.any(num_prefill_rows) else self._padded
         t = target(num_rows) + self.attention_ms(num_kv_tokens)
         draft_depth = np.asarray(draft_depth)
+        ahead = (draft_depth == 0) & (np.asarray(num_prefill_rows) == 0)
+        t = t * np.where(ahead, self._ahead_ratio(num_rows), 1.0)
         num_spec = np.asarray(num_spec)
         first = self._draft(num_spec + drafter_lag_rows)
         rest = (np.maximum(draft_depth, 1) - 1) * self._draft(np.maximum(num_spec, 1))
@@ -193,6 +205,8 @@ class ProfileCost:
         else:
             t = self._padded.scalar(num_rows)
         t += num_kv_tokens * self.kv_ms_per_token
+        if draft_depth == 0 and not num_prefill_rows:
+            t *= self._ahead_ratio.scalar(num_rows)
         if draft_depth > 0:
             t += self._draft.scalar(num_spec + drafter_lag_rows)
             t += (draft_depth - 1) * self._draft.scalar(max(num_spec, 1))

@@ -62,6 +62,9 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
         host_ms = host[1] + (host[4] - host[1]) * (seqs - 1) / 3
         expect = max(at_ref[r] - seqs * 64 * kv_ms_per_token, 0.1 * at_ref[r]) + host_ms
         assert abs(ms - expect) < 2e-3, (r, ms, expect)
+    # AR rounds run ahead: their period against the round alone, per AR row count (<= slots)
+    assert [r for r, _ in t["ar_ahead_ratio"]] == [1, 2]
+    assert all(0 < ratio <= 1 for _, ratio in t["ar_ahead_ratio"])
     cm = CostModel.from_file(out)
     assert cm.predict_ms(2, 32) > 0
 

@@ -147,3 +147,30 @@ def test_correcting_a_known_raw_estimate_equals_predict_ms_scalar(
     assert cm.correct_ms_scalar(raw, rows, depth > 0) == cm.predict_ms_scalar(
         rows, kv, depth, num_spec, 3, 0
     )
+
+
+@given(
+    rows=st.integers(1, 600),
+    kv=st.integers(0, 200_000),
+    depth=st.integers(0, 4),
+    prefill=st.sampled_from([0, 64]),
+)
+def test_rounds_ahead_scale_only_ar_decode_rounds(rows, kv, depth, prefill):
+    """The profile's `ar_ahead_ratio` prices AR-only decode rounds (they run ahead, the host's
+    work hidden) and nothing else; scalar and array paths agree."""
+    import json
+    from pathlib import Path
+
+    raw = json.loads(
+        (Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json").read_text()
+    )
+    raw["target"]["ar_ahead_ratio"] = [[1, 0.8], [64, 0.9], [256, 0.95]]
+    ahead = ProfileCost(raw)
+    num_spec = min(rows, 4) if depth else 0
+    args = (rows, kv, depth, num_spec, 0, prefill)
+    scale = 1.0
+    if depth == 0 and prefill == 0:
+        scale = float(np.interp(rows, [1, 64, 256], [0.8, 0.9, 0.95]))
+    want = PROFILE.round_ms_scalar(*args) * scale
+    assert ahead.round_ms_scalar(*args) == pytest.approx(want, rel=1e-9)
+    assert float(ahead.round_ms(*args)) == pytest.approx(want, rel=1e-9)
