@@ -58,8 +58,8 @@ SHAPES: dict[str, tuple[int, int]] = {
 NUM_LAYERS = 36
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 # (block_n, block_k, num_warps, num_stages) of the candidate launches
-DOT_TILES = ((64, 256, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3), (128, 128, 4, 4))
-FMA_TILES = ((32, 256, 4, 2), (64, 128, 4, 2))
+DOT_TILES = ((64, 256, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3))
+FMA_TILES = ((32, 256, 4, 2),)
 MAX_REL_ERR = 1e-2
 ROTATE_BYTES = 256 << 20  # weight copies per shape: > H200's 50 MB L2 several times over
 REPLAY_MS = 3.0  # target kernel time per graph replay
@@ -73,7 +73,8 @@ def _splits(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> list[in
 
 def candidates(n: int, k: int, num_rows: int, num_sms: int) -> list[SkinnyConfig]:
     """The sweep for one shape: dot tiles (two of them when fp32 multiply-add tiles also run)
-    at split 1, the filling split and twice it."""
+    at split 1, the filling split and twice it, split-K reduced by each tile's last split; and
+    the first tile's splits reduced by the second kernel instead."""
     if num_rows > MAX_ROWS:
         return []
     use_fma = num_rows <= 2
@@ -83,6 +84,10 @@ def candidates(n: int, k: int, num_rows: int, num_sms: int) -> list[SkinnyConfig
         for block_n, block_k, warps, stages in tiles:
             for split in _splits(n, k, block_n, block_k, num_sms):
                 out.append(SkinnyConfig(block_n, block_k, split, warps, stages, use_dot))
+    block_n, block_k, warps, stages = DOT_TILES[0]
+    for split in _splits(n, k, block_n, block_k, num_sms):
+        if split > 1:
+            out.append(SkinnyConfig(block_n, block_k, split, warps, stages, True, False))
     return out
 
 
@@ -375,7 +380,8 @@ def tuned_snippet(entries: list[dict]) -> list[str]:
         c = e["config"]
         out.append(
             f"    ({e['n']}, {e['k']}, {e['rows']}): SkinnyConfig({c['block_n']}, {c['block_k']}, "
-            f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}, {c['use_dot']}),"
+            f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}, {c['use_dot']}, "
+            f"{c['last_reduces']}),"
             f"  # {e['skinny_us']} us vs {e['torch_us']} us"
         )
     return out

@@ -38,12 +38,17 @@ class SkinnyConfig:
     num_warps: int
     num_stages: int
     use_dot: bool  # tensor-core dot (rows padded to 16) or fp32 multiply-add and reduction
+    # split-K reduction by the last split of each column tile (one launch) instead of a
+    # second kernel; falls back to the second kernel while capturing before the tile counters
+    # of the weight exist
+    last_reduces: bool = True
 
     @property
     def name(self) -> str:
         kind = "dot" if self.use_dot else "fma"
+        reduce = "" if self.split_k == 1 else ("l" if self.last_reduces else "r")
         return (
-            f"{kind}_n{self.block_n}_k{self.block_k}_s{self.split_k}"
+            f"{kind}_n{self.block_n}_k{self.block_k}_s{self.split_k}{reduce}"
             f"_w{self.num_warps}_p{self.num_stages}"
         )
 
@@ -55,6 +60,7 @@ def _skinny_linear_kernel(
     bias_ptr,
     out_ptr,
     part_ptr,
+    counter_ptr,
     num_rows,
     N,
     K,
@@ -67,6 +73,7 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
+    LAST_REDUCES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -111,6 +118,27 @@ def _skinny_linear_kernel(
     if WRITE_PARTIAL:
         part_ptrs = part_ptr + (pid_k * num_rows + offs_m[:, None]) * N + offs_n[None, :]
         tl.store(part_ptrs, acc, mask=out_mask)
+        if LAST_REDUCES:
+            # The split that finishes a column tile last adds the tile's partials in split
+            # order (a fixed order, so deterministic) and resets the tile's counter for the
+            # next launch. The barrier puts every thread's partial before the release.
+            tl.debug_barrier()
+            done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+            num_splits = tl.num_programs(1)
+            if done == num_splits - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                tile_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+                for s in range(0, num_splits):
+                    # .cg: read at L2, where the other programs' stores are visible.
+                    total += tl.load(
+                        tile_ptrs + s * num_rows * N, mask=out_mask, other=0.0, cache_modifier=".cg"
+                    )
+                if HAS_BIAS:
+                    bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0)
+                    total += bias.to(tl.float32)[None, :]
+                out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(counter_ptr + pid_n, 0)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -176,6 +204,8 @@ def skinny_linear(
         else out
     )
     bias_arg = bias if bias is not None else out
+    counters = _tile_counters(weight) if split and cfg.last_reduces else None
+    last_reduces = counters is not None
     grid = (triton.cdiv(n, cfg.block_n), num_splits)
     _skinny_linear_kernel[grid](
         x,
@@ -183,6 +213,7 @@ def skinny_linear(
         bias_arg,
         out,
         part,
+        counters if last_reduces else out,
         num_rows,
         n,
         k,
@@ -195,13 +226,14 @@ def skinny_linear(
         BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot,
         WRITE_PARTIAL=split,
-        HAS_BIAS=bias is not None and not split,
+        LAST_REDUCES=last_reduces,
+        HAS_BIAS=bias is not None and (last_reduces or not split),
         EVEN_N=n % cfg.block_n == 0,
         EVEN_K=k % per_split == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split:
+    if split and not last_reduces:
         _reduce_splits_kernel[(triton.cdiv(n, _REDUCE_BLOCK), num_rows)](
             part,
             bias_arg,
@@ -215,6 +247,28 @@ def skinny_linear(
             num_warps=4,
         )
     return out
+
+
+# One zeroed int32 counter per column tile of a weight (sized for the smallest tile, 16), kept
+# per weight so that launches on different streams with different weights never share one.
+# Each launch leaves its counters at zero again.
+_COUNTERS: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def _tile_counters(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's tile counters; None while a CUDA graph is being captured before they exist
+    (a zero-fill inside the capture would run only on replay), so that launch reduces with the
+    second kernel."""
+    key = (weight.device.index or 0, weight.data_ptr(), weight.shape[0])
+    counters = _COUNTERS.get(key)
+    if counters is None:
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(
+            triton.cdiv(weight.shape[0], 16), dtype=torch.int32, device=weight.device
+        )
+        _COUNTERS[key] = counters
+    return counters
 
 
 def skinny_linear_ref(

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kernels import bench_linear
 from kernels.skinny_linear import (
+    _COUNTERS,
     MAX_ROWS,
     TUNED,
     SkinnyConfig,
@@ -25,7 +26,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Interpreter-sized launches: dot tiles need 16+ along each dimension.
 CONFIGS = (
     SkinnyConfig(32, 32, 1, 4, 2, True),
-    SkinnyConfig(16, 32, 3, 4, 2, True),  # split-K with a ragged last split
+    SkinnyConfig(16, 32, 3, 4, 2, True),  # split-K with a ragged last split, reduced in-kernel
+    SkinnyConfig(16, 32, 3, 4, 2, True, False),  # the same reduced by the second kernel
     SkinnyConfig(16, 32, 1, 4, 2, False),
     SkinnyConfig(32, 16, 4, 4, 2, False),
 )
@@ -65,16 +67,21 @@ def test_matches_reference(cfg, num_rows, n, k, with_bias):
     k=st.integers(16, 160),
     split_k=st.integers(1, 5),
     use_dot=st.booleans(),
+    last_reduces=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_any_shape_and_split(num_rows, n_blocks, n_extra, k, split_k, use_dot, seed):
-    """Any rows, ragged N and K and any split count give the reference product (fp32)."""
+def test_any_shape_and_split(num_rows, n_blocks, n_extra, k, split_k, use_dot, last_reduces, seed):
+    """Any rows, ragged N and K and any split count and reduction give the reference product
+    (fp32), and the in-kernel reduction leaves its tile counters at zero for the next launch."""
     if not use_dot:
         num_rows = min(num_rows, 4)
     n = 16 * n_blocks + n_extra
-    cfg = SkinnyConfig(16, 32, split_k, 4, 2, use_dot)
+    cfg = SkinnyConfig(16, 32, split_k, 4, 2, use_dot, last_reduces)
     x, w, bias = _inputs(num_rows, n, k, torch.float32, seed, with_bias=seed % 2 == 0)
-    _check(skinny_linear(x, w, bias, cfg), skinny_linear_ref(x, w, bias), torch.float32)
+    for _ in range(2):  # the second launch reuses the counters
+        _check(skinny_linear(x, w, bias, cfg), skinny_linear_ref(x, w, bias), torch.float32)
+    counters = _COUNTERS.get((0, w.data_ptr(), n))
+    assert counters is None or not counters.any()
 
 
 def test_linear_dispatch(monkeypatch):
@@ -157,15 +164,18 @@ def test_gpu_model_shapes(n, k, num_rows):
 
 
 @pytest.mark.gpu
-def test_gpu_graph_capture_with_split_and_bias():
-    """A split-K launch with bias replays from a CUDA graph with the eager result, bit for bit."""
+@pytest.mark.parametrize("last_reduces", [True, False])
+def test_gpu_graph_capture_with_split_and_bias(last_reduces):
+    """A split-K launch with bias replays from a CUDA graph with the eager result, bit for bit,
+    replay after replay (the in-kernel reduction resets its counters)."""
     x, w, bias = _inputs(4, 4096, 4096, torch.bfloat16, seed=3, with_bias=True)
-    cfg = SkinnyConfig(64, 256, 8, 4, 3, True)
+    cfg = SkinnyConfig(64, 256, 8, 4, 3, True, last_reduces)
     eager = skinny_linear(x, w, bias, cfg)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = skinny_linear(x, w, bias, cfg)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
