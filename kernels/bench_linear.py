@@ -60,6 +60,7 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)
 # (block_n, block_k, num_warps, num_stages) of the candidate launches
 DOT_TILES = ((64, 256, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3))
 FMA_TILES = ((32, 256, 4, 2),)
+DTYPE = torch.bfloat16
 MAX_REL_ERR = 1e-2
 ROTATE_BYTES = 256 << 20  # weight copies per shape: > H200's 50 MB L2 several times over
 REPLAY_MS = 3.0  # target kernel time per graph replay
@@ -122,6 +123,7 @@ def compile_all(tasks: list[tuple[SkinnyConfig, int, int, int]], workers: int) -
             cfg.num_warps,
             cfg.num_stages,
             cfg.use_dot,
+            cfg.last_reduces,
             block_m,
             num_splits,
             k % k_per_split(k, cfg.block_k, cfg.split_k) == 0,
@@ -132,8 +134,11 @@ def compile_all(tasks: list[tuple[SkinnyConfig, int, int, int]], workers: int) -
     from kernels import bench_linear  # pickled by module path, also when run as __main__
 
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        errors = [e for e in pool.map(bench_linear._compile_task, unique) if e]
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            errors = [e for e in pool.map(bench_linear._compile_task, unique) if e]
+    except Exception as exc:  # the timing process compiles on first use instead
+        errors = [f"worker pool: {type(exc).__name__}: {exc}"[:300]]
     print(f"compiled {len(unique)} variants in {workers} workers, {len(errors)} errors")
     return errors
 
@@ -247,16 +252,14 @@ def bench_shape(
     weight_bytes = n * k * 2
     num_copies = max(1, math.ceil(ROTATE_BYTES / weight_bytes))
     weights = [
-        (torch.randn((n, k), generator=gen, device="cuda", dtype=torch.float32) * 0.02).to(
-            torch.bfloat16
-        )
+        (torch.randn((n, k), generator=gen, device=gen.device) * 0.02).to(DTYPE)
         for _ in range(num_copies)
     ]  # num_copies x [N, K]
     est_us = weight_bytes / (copy_bw * 0.9e12) * 1e6
     calls = int(min(64, max(4, round(REPLAY_MS * 1000 / est_us))))
     records = []
     for num_rows in rows:
-        x = torch.randn((num_rows, k), generator=gen, device="cuda").to(torch.bfloat16)  # [M, K]
+        x = torch.randn((num_rows, k), generator=gen, device=gen.device).to(DTYPE)  # [M, K]
         ref = F.linear(x, weights[0]).float()  # [M, N]
 
         case = _Case(x, weights, ref, calls, weight_bytes, copy_bw)
