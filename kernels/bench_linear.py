@@ -44,6 +44,7 @@ from kernels.skinny_linear import (
     k_per_split,
     row_bucket,
     skinny_linear,
+    wave_split,
 )
 
 # name -> (N, K) of Qwen3-8B (hidden 4096, 32 q heads + 2 x 8 kv heads of 128, intermediate
@@ -68,14 +69,15 @@ NUM_REPLAYS = 10
 
 
 def _splits(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> list[int]:
+    """Powers of two from half to twice the split that puts a program on every SM."""
     fill = fill_split(n, k, block_n, block_k, num_sms)
-    return sorted({s for s in (1, fill, 2 * fill) if k // s >= block_k})
+    return [s for s in (1, 2, 4, 8, 16, 32) if fill <= 2 * s <= 4 * fill and k // s >= block_k]
 
 
 def candidates(n: int, k: int, num_rows: int, num_sms: int) -> list[SkinnyConfig]:
     """The sweep for one shape: dot tiles (two of them when fp32 multiply-add tiles also run)
-    at split 1, the filling split and twice it, split-K reduced by each tile's last split; and
-    the first tile's splits reduced by the second kernel instead."""
+    at power-of-two splits from half to twice the one that fills the SMs, split-K reduced by each
+    tile's last split; and the first tile at the split of the fullest last wave reduced by the second kernel."""
     if num_rows > MAX_ROWS:
         return []
     use_fma = num_rows <= 2
@@ -86,9 +88,9 @@ def candidates(n: int, k: int, num_rows: int, num_sms: int) -> list[SkinnyConfig
             for split in _splits(n, k, block_n, block_k, num_sms):
                 out.append(SkinnyConfig(block_n, block_k, split, warps, stages, use_dot))
     block_n, block_k, warps, stages = DOT_TILES[0]
-    for split in _splits(n, k, block_n, block_k, num_sms):
-        if split > 1:
-            out.append(SkinnyConfig(block_n, block_k, split, warps, stages, True, False))
+    split = wave_split(n, k, block_n, block_k, num_sms)
+    if split > 1:
+        out.append(SkinnyConfig(block_n, block_k, split, warps, stages, True, False))
     return out
 
 

@@ -303,18 +303,35 @@ def fill_split(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
     return split
 
 
+def wave_split(n: int, k: int, block_n: int, block_k: int, slots: int) -> int:
+    """The power-of-two split (at most 16, at least two tiles of K each) whose grid fills its
+    last wave of `slots` concurrent programs best; the smaller split within 2%."""
+    programs = triton.cdiv(n, block_n)
+    best, best_fill = 1, 0.0
+    split = 1
+    while True:
+        total = programs * split
+        fill = total / (triton.cdiv(total, slots) * slots)
+        if fill > best_fill + 0.02:
+            best, best_fill = split, fill
+        if split >= 16 or k // (split * 2) < 2 * block_k:
+            return best
+        split *= 2
+
+
 def choose_config(n: int, k: int, num_rows: int, num_sms: int) -> SkinnyConfig:
     """The table's entry for this shape, else a rule: dot tiles of 64 x 256 in 4 warps and 3
-    stages (32 KB of W per stage), fp32 multiply-add for a single row, split-K to fill the SMs."""
+    stages (32 KB of W per stage, 120 KB of shared memory: one program per SM), fp32
+    multiply-add tiles of 32 x 256 for a single row (no shared-memory stages: several programs
+    per SM), split-K for the fullest last wave."""
     tuned = TUNED.get((n, k, row_bucket(num_rows)))
     if tuned is not None:
         return tuned
-    block_n, block_k = 64, 256
-    use_dot = num_rows > 1
-    if not use_dot:
-        block_n, block_k = 32, 256
-    split = fill_split(n, k, block_n, block_k, num_sms)
-    return SkinnyConfig(block_n, block_k, split, 4, 3 if use_dot else 2, use_dot)
+    if num_rows > 1:
+        split = wave_split(n, k, 64, 256, num_sms)
+        return SkinnyConfig(64, 256, split, 4, 3, True)
+    split = wave_split(n, k, 32, 256, 4 * num_sms)
+    return SkinnyConfig(32, 256, split, 4, 2, False)
 
 
 def _num_sms(device: torch.device) -> int:

@@ -15,11 +15,11 @@ from kernels.skinny_linear import (
     TUNED,
     SkinnyConfig,
     choose_config,
-    fill_split,
     k_per_split,
     linear,
     skinny_linear,
     skinny_linear_ref,
+    wave_split,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,14 +120,26 @@ def test_rejects_bad_shapes():
     num_sms=st.sampled_from([8, 78, 132]),
 )
 def test_config_rule_covers_k(n, k, num_rows, num_sms):
-    """The rule's split covers K with whole tiles and fills the SMs unless K runs out."""
+    """The rule's split covers K with whole tiles, and no other power-of-two split of at least
+    two tiles of K fills the last wave by more than 2% more."""
     cfg = choose_config(n, k, num_rows, num_sms)
     per_split = k_per_split(k, cfg.block_k, cfg.split_k)
     assert per_split % cfg.block_k == 0 and per_split * cfg.split_k >= k
-    programs = -(-n // cfg.block_n)
-    split = fill_split(n, k, cfg.block_n, cfg.block_k, num_sms)
-    assert split == cfg.split_k
-    assert programs * split >= num_sms or k // (split * 2) < 2 * cfg.block_k
+    slots = num_sms if cfg.use_dot else 4 * num_sms
+
+    def fill(split):
+        total = -(-n // cfg.block_n) * split
+        return total / (-(-total // slots) * slots)
+
+    others = [s for s in (1, 2, 4, 8, 16) if s == 1 or k // s >= 2 * cfg.block_k]
+    assert all(fill(s) <= fill(cfg.split_k) + 0.02 for s in others)
+
+
+def test_wave_split_of_model_shapes():
+    """One program per SM on 132 SMs: o_proj's 64 tiles split in 2, qkv's 96 in 4."""
+    assert wave_split(4096, 4096, 64, 256, 132) == 2
+    assert wave_split(6144, 4096, 64, 256, 132) == 4
+    assert wave_split(24576, 4096, 64, 256, 132) == 1
 
 
 def test_bench_sweep_and_projection():
