@@ -76,8 +76,9 @@ def _splits(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> list[in
 
 def candidates(n: int, k: int, num_rows: int, num_sms: int) -> list[SkinnyConfig]:
     """The sweep for one shape: dot tiles (two of them when fp32 multiply-add tiles also run)
-    at power-of-two splits from half to twice the one that fills the SMs, split-K reduced by each
-    tile's last split; and the first tile at the split of the fullest last wave reduced by the second kernel."""
+    at power-of-two splits from half to twice the one that fills the SMs, split-K reduced by
+    each tile's last split; and the first tile at the split of the fullest last wave reduced
+    by the second kernel."""
     if num_rows > MAX_ROWS:
         return []
     use_fma = num_rows <= 2
