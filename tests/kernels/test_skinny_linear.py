@@ -34,10 +34,10 @@ CONFIGS = (
 
 
 def _inputs(num_rows: int, n: int, k: int, dtype: torch.dtype, seed: int, with_bias: bool):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn((num_rows, k), generator=gen).to(dtype).to(DEVICE)  # [M, K]
-    w = (torch.randn((n, k), generator=gen) * 0.1).to(dtype).to(DEVICE)  # [N, K]
-    bias = torch.randn((n,), generator=gen).to(dtype).to(DEVICE) if with_bias else None
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn((num_rows, k), generator=gen, device=DEVICE).to(dtype)  # [M, K]
+    w = (torch.randn((n, k), generator=gen, device=DEVICE) * 0.1).to(dtype)  # [N, K]
+    bias = torch.randn((n,), generator=gen, device=DEVICE).to(dtype) if with_bias else None
     return x, w, bias
 
 
