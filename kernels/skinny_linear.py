@@ -10,11 +10,18 @@ so its time is the weight bytes over the memory bandwidth. The kernel is laid ou
   operand: [BLOCK_N, BLOCK_K] x [BLOCK_K, 16]), or, for 1-2 rows, through fp32 multiply-adds and
   a reduction over K (`use_dot=False`), which skips the shared-memory staging of the dot path;
 - split-K when N / BLOCK_N programs would leave SMs idle: each split writes fp32 partial sums to
-  a [SPLIT_K, M, N] buffer and a second small kernel adds them in a fixed order (deterministic,
-  unlike fp32 atomics), adds the bias and casts to the output dtype.
+  a [SPLIT_K, M, N] buffer; the split that finishes a column tile last (an int32 counter per
+  tile, one set per weight, reset by that split) adds the tile's partials in split order, adds
+  the bias and casts, all in the same launch (`last_reduces`); otherwise a second small kernel
+  does the same. Both sum in a fixed order, so results do not vary run to run (fp32 atomics
+  would).
 
 Every launch has a grid fixed by the shapes and allocates only through torch's caching
-allocator, so it can be captured in a CUDA graph. Accumulation is fp32; output has x's dtype.
+allocator, so it can be captured in a CUDA graph; the tile counters are created on a weight's
+first launch outside a capture (a capture that comes first takes the second-kernel reduction).
+Two streams must not run the same weight's split launches at the same time. Accumulation is
+fp32; output has x's dtype. The model reaches the kernel through `linear`, which takes it only
+for shapes and row counts with a measured win in `TUNED`.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ _REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
 class SkinnyConfig:
     block_n: int  # output features (rows of W) per program
     block_k: int  # K elements per loaded tile
-    split_k: int  # programs along K; 1 = no partial buffer, no second kernel
+    split_k: int  # programs along K; 1 = no partial buffer, no reduction
     num_warps: int
     num_stages: int
     use_dot: bool  # tensor-core dot (rows padded to 16) or fp32 multiply-add and reduction
