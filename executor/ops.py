@@ -13,7 +13,7 @@ import torch
 # holds a measured win over cuBLAS, torch otherwise) instead of torch's F.linear directly. The
 # default follows the H200 benchmark (python -m kernels.bench_linear); HIPFIRE_SKINNY_LINEAR=1/0
 # overrides it.
-SKINNY_LINEAR_DEFAULT = False
+SKINNY_LINEAR_DEFAULT = True
 
 
 def skinny_linear_enabled() -> bool:

@@ -290,9 +290,54 @@ def skinny_linear_ref(
     return out.to(x.dtype)
 
 
-# Picked configs per (N, K) and row bucket, filled from `python -m kernels.bench_linear` on the
-# target GPU (its record's `table_entries`). Shapes not listed take the rule in choose_config.
-TUNED: dict[tuple[int, int, int], SkinnyConfig] = {}
+# Picked configs per (N, K) and row bucket, from `python -m kernels.bench_linear` on an NVIDIA
+# H200 (2026-11-29; docs/perf/linear.md): the kernel's wins over every torch variant, for the
+# Qwen3-8B projections and LM head. They hold for GPUs of `TUNED_FAMILY` only; other GPUs keep
+# torch until measured. Shapes not listed take the rule in choose_config.
+TUNED_FAMILY = "hopper"
+TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
+    (6144, 4096, 1): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 15.19 us vs 15.54 us
+    (6144, 4096, 2): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 15.18 us vs 15.49 us
+    (6144, 4096, 4): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 15.19 us vs 16.17 us
+    (6144, 4096, 8): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 15.34 us vs 15.69 us
+    (6144, 4096, 16): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 15.68 us vs 15.83 us
+    (4096, 4096, 1): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 11.77 us vs 13.34 us
+    (4096, 4096, 2): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 11.67 us vs 13.21 us
+    (4096, 4096, 4): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 11.83 us vs 13.28 us
+    (4096, 4096, 8): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 11.91 us vs 13.2 us
+    (4096, 4096, 16): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 11.86 us vs 13.47 us
+    (24576, 4096, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 48.93 us vs 49.86 us
+    (24576, 4096, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 49.14 us vs 49.83 us
+    (24576, 4096, 4): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 49.17 us vs 50.19 us
+    (24576, 4096, 8): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 49.39 us vs 54.52 us
+    (24576, 4096, 16): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 49.89 us vs 50.66 us
+    (4096, 12288, 1): SkinnyConfig(64, 128, 4, 4, 4, True, True),  # 27.1 us vs 29.85 us
+    (4096, 12288, 2): SkinnyConfig(64, 128, 4, 4, 4, True, True),  # 27.42 us vs 30.06 us
+    (4096, 12288, 4): SkinnyConfig(64, 128, 4, 4, 4, True, True),  # 27.49 us vs 30.57 us
+    (4096, 12288, 8): SkinnyConfig(64, 128, 4, 4, 4, True, True),  # 27.84 us vs 30.59 us
+    (4096, 12288, 16): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 28.08 us vs 29.22 us
+    (151936, 4096, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 279.63 us vs 297.18 us
+    (151936, 4096, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 280.22 us vs 297.73 us
+    (151936, 4096, 4): SkinnyConfig(128, 256, 1, 8, 3, True, True),  # 281.72 us vs 298.17 us
+    (151936, 4096, 8): SkinnyConfig(128, 256, 1, 8, 3, True, True),  # 283.42 us vs 300.15 us
+    (151936, 4096, 16): SkinnyConfig(128, 256, 1, 8, 3, True, True),  # 286.72 us vs 302.24 us
+}
+_TUNED_HERE: dict[tuple[str, int | None], bool] = {}
+
+
+def tuned_here(device: torch.device) -> bool:
+    """Whether `TUNED` was measured on this device's GPU family (the interpreter: always, so
+    the dispatch is testable on a CPU)."""
+    key = (device.type, device.index)
+    here = _TUNED_HERE.get(key)
+    if here is None:
+        from kernels.arch import arch_config, is_interpreter
+
+        here = is_interpreter() or (
+            device.type == "cuda" and arch_config(device).family == TUNED_FAMILY
+        )
+        _TUNED_HERE[key] = here
+    return here
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 
 
@@ -365,6 +410,6 @@ def linear(
         and (bias is None or bias.is_contiguous())
     ):
         cfg = TUNED.get((weight.shape[0], weight.shape[1], row_bucket(num_rows)))
-        if cfg is not None:
+        if cfg is not None and tuned_here(x.device):
             return skinny_linear(x, weight, bias, cfg)
     return torch.nn.functional.linear(x, weight, bias)

@@ -22,6 +22,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         "kernels.fused_qk",
         "kernels.argmax",
         "kernels.accept",
+        "kernels.skinny_linear",
     ):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
