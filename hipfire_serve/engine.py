@@ -236,6 +236,7 @@ class Engine:
         before serving, so one-time costs (allocator growth, kernel compilation, graph capture
         of small buckets) never reach the cost model's calibration or a client's latency. The
         scheduler used for it is then replaced by a fresh one: nothing of the warm-up is kept."""
+        self._compile_attention()
         serving = self.scheduler
         self.scheduler = self._make_scheduler("spec", None)
         vocab = self.target.config.vocab_size
@@ -256,6 +257,35 @@ class Engine:
         self._rounds.clear()
         self._num_switches = 0
         self._next_id = 0
+
+    def _compile_attention(self) -> None:
+        """Compiles every attention kernel variant the target's and the draft model's rounds
+        can pick (GPU only), so no serving round waits for a compile: a drafter catching up
+        after AR rounds or a new prefill shape would otherwise stall for seconds."""
+        if self.device.type != "cuda":
+            return
+        from kernels.attention import compile_variants, verify_attention
+
+        cfg = self.config
+        models = [(self.target, self.executor.kv)]
+        inner = getattr(self.drafter, "inner", self.drafter)
+        if getattr(inner, "model", None) is not None and getattr(inner, "kv", None) is not None:
+            models.append((inner.model, inner.kv))
+        t0 = time.perf_counter()
+        num = 0
+        for model, kv in models:
+            if model.ops.verify_attention is not verify_attention:
+                continue  # torch reference ops: nothing to compile
+            num += compile_variants(
+                kv.k[0],
+                kv.v[0],
+                model.config.num_q_heads,
+                max_seqs=cfg.max_concurrency,
+                max_q_len=max(cfg.max_prefill_tokens, cfg.spec_depth),
+                max_kv_len=self.executor.max_blocks_per_seq * cfg.block_size,
+            )
+        torch.cuda.synchronize(self.device)
+        log.info("compiled %d attention variants in %.1f s", num, time.perf_counter() - t0)
 
     # -- set-up helpers ---------------------------------------------------------------------
     def _random_model(self, spec: str, seed: int = 0) -> Model:

@@ -35,6 +35,7 @@ issued one KV tile ahead of the softmax and PV of the current tile.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -123,11 +124,11 @@ def _softmax_update(
 # Launch-varying integers are not specialised (Triton would compile separate variants for the
 # value 1 and for multiples of 16), and the sequence-search width has a floor: a serving round's
 # sequence count must not compile a new kernel (seconds) as the batch changes.
-@triton.jit(do_not_specialize=["num_seqs", "num_rows"])
+@triton.jit(do_not_specialize=["num_seqs", "num_rows", "num_splits"])
 def _verify_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_q_lens_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, num_rows, scale_log2,
+    num_seqs, num_rows, num_splits, scale_log2,
     stride_q_row, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -137,7 +138,7 @@ def _verify_attention_kernel(
     stride_l_split, stride_l_row,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, SEQS_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, SEQS_PAD: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     PIPELINE_QK: tl.constexpr,
 ):
@@ -183,11 +184,11 @@ def _verify_attention_kernel(
             q_pos = ctx_len + row0 + m_row  # [BLOCK_M] position of each query vector
 
             kv_end = ctx_len + tl.minimum(row0 + ROWS_TILE, q_len)  # last row's position + 1
-            if NUM_SPLITS == 1:
+            if not SPLIT:
                 kv_lo = 0
                 kv_hi = kv_end
             else:
-                split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+                split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
                 kv_lo = tl.minimum(split * split_len, kv_end)
                 kv_hi = tl.minimum(kv_lo + split_len, kv_end)
             # Keys before the tile's first row are visible to every row: no mask needed there.
@@ -265,7 +266,7 @@ def _verify_attention_kernel(
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
             result = acc / l_safe[:, None]  # [BLOCK_M, D_PAD]
             st_mask = m_ok[:, None] & d_mask[None, :]
-            if NUM_SPLITS == 1:
+            if not SPLIT:
                 o_ptrs = out_ptr + q_row[:, None] * stride_o_row + m_head[:, None] * stride_o_head
                 tl.store(o_ptrs + offs_d[None, :], result.to(out_ptr.dtype.element_ty), st_mask)
             else:
@@ -278,20 +279,19 @@ def _verify_attention_kernel(
                 tl.store(l_ptrs, lse, m_ok)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, cu_q_lens_ptr, num_seqs,
+    part_out_ptr, part_lse_ptr, out_ptr, cu_q_lens_ptr, num_seqs, num_splits,
     stride_p_split, stride_p_row, stride_p_head,
     stride_l_split, stride_l_row,
     stride_o_row, stride_o_head,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
     if row < tl.load(cu_q_lens_ptr + num_seqs):  # rows after the last sequence are zeroed already
         offs_s = tl.arange(0, SPLITS_PAD)
-        s_mask = offs_s < NUM_SPLITS
+        s_mask = offs_s < num_splits
         offs_s = offs_s.to(tl.int64)
         offs_d = tl.arange(0, D_PAD)
         d_mask = offs_d < HEAD_DIM
@@ -316,6 +316,14 @@ def _merge_splits_kernel(
 
 # Width of the kernel's sequence search: one padded width up to 255 sequences per round.
 _MIN_SEQS_PAD = 256
+# Width of the merge kernel's split vector: one padded width up to 32 splits.
+_MIN_SPLITS_PAD = 32
+
+
+def splits_pad(num_splits: int) -> int:
+    """The merge kernel's split-vector width (a constexpr): the split count itself is a
+    runtime argument, so a changing count compiles nothing new."""
+    return max(_MIN_SPLITS_PAD, _next_pow2(num_splits))
 
 
 def seqs_pad(num_seqs: int) -> int:
@@ -511,12 +519,11 @@ def merge_splits(
     num_splits, num_rows, num_q_heads, head_dim = part_out.shape
     d_pad = _next_pow2(head_dim)
     _merge_splits_kernel[(num_rows, num_q_heads)](
-        part_out, part_lse, out, cu_q_lens, num_seqs,
+        part_out, part_lse, out, cu_q_lens, num_seqs, num_splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=d_pad,
-        NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits),
+        HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=splits_pad(num_splits),
         num_warps=4 if d_pad >= 128 else 2,
     )
     return out
@@ -578,6 +585,14 @@ def verify_attention(
         rows_per_tile=rows_per_tile,
         num_splits=num_splits,
     )
+    return _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch)
+
+
+def _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch):
+    """Launches verify attention (and the merge of its splits) with a planned tiling."""
+    num_rows, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
     splits = launch.num_splits
     if splits > 1:
         part_out = torch.empty(
@@ -597,7 +612,7 @@ def verify_attention(
     _verify_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         cu_q_lens, seq_lens, block_tables,
-        num_seqs, num_rows, scale * math.log2(math.e),
+        num_seqs, num_rows, splits, scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -607,7 +622,7 @@ def verify_attention(
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=_next_pow2(group), ROWS_TILE=launch.rows_per_tile,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HEAD_DIM=head_dim, D_PAD=d_pad,
-        EVEN_D=head_dim == d_pad, PAGE_SIZE=page_size, NUM_SPLITS=splits,
+        EVEN_D=head_dim == d_pad, PAGE_SIZE=page_size, SPLIT=splits > 1,
         SEQS_PAD=seqs_pad(num_seqs),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         LAZY_RESCALE=launch.lazy_rescale, PIPELINE_QK=launch.pipeline_qk,
@@ -617,6 +632,109 @@ def verify_attention(
     if splits > 1:
         merge_splits(part_out, part_lse, out, cu_q_lens, num_seqs)
     return out
+
+
+def variant_key(launch: AttentionLaunch, num_seqs: int) -> tuple:
+    """What selects a compiled kernel among one model's launches (its heads, head size, page
+    size and dtype fixed): the tiling's compile-time values. Split counts, sequence and row
+    counts are runtime arguments."""
+    return (
+        launch.rows_per_tile,
+        launch.block_m,
+        launch.block_n,
+        launch.num_warps,
+        launch.num_stages,
+        launch.num_splits > 1,
+        launch.max_regs,
+        launch.lazy_rescale,
+        launch.pipeline_qk,
+        seqs_pad(num_seqs),
+    )
+
+
+def reachable_variants(
+    device: torch.device,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    max_seqs: int,
+    max_q_len: int,
+    max_kv_len: int,
+) -> dict[tuple, tuple[AttentionLaunch, int]]:
+    """Every compiled variant `plan_launch` can pick for rounds of up to `max_seqs` sequences
+    with up to `max_q_len` rows each (uniform groups, and one long group beside single rows)
+    over block tables of up to `max_kv_len` tokens: {variant key: (a launch, its num_seqs)}."""
+
+    def powers(limit: int) -> list[int]:
+        return sorted({1 << i for i in range(limit.bit_length()) if 1 << i <= limit} | {limit})
+
+    found: dict[tuple, tuple[AttentionLaunch, int]] = {}
+    for num_seqs in powers(max_seqs):
+        for q_len in powers(max_q_len):
+            for num_rows in {num_seqs * q_len, num_seqs - 1 + q_len}:
+                for kv_len in _kv_lens(page_size, max_kv_len):
+                    if kv_len < q_len:
+                        continue
+                    launch = plan_launch(
+                        device,
+                        num_rows=num_rows,
+                        num_seqs=num_seqs,
+                        num_q_heads=num_q_heads,
+                        num_kv_heads=num_kv_heads,
+                        max_kv_len=kv_len,
+                        max_q_len=q_len,
+                    )
+                    found.setdefault(variant_key(launch, num_seqs), (launch, num_seqs))
+    return found
+
+
+def _kv_lens(page_size: int, max_kv_len: int) -> list[int]:
+    """Block-table capacities to plan over: every page up to 8k tokens (where the tile rules'
+    thresholds sit), then every 256 tokens."""
+    dense = list(range(page_size, min(max_kv_len, 8192) + 1, page_size))
+    coarse = list(range(dense[-1] + 256, max_kv_len + 1, 256)) if dense else []
+    return dense + coarse + ([max_kv_len] if max_kv_len not in dense + coarse else [])
+
+
+def compile_variants(
+    k_cache: torch.Tensor,  # [blocks, page, Hkv, D]
+    v_cache: torch.Tensor,
+    num_q_heads: int,
+    *,
+    max_seqs: int,
+    max_q_len: int,
+    max_kv_len: int,
+) -> int:
+    """Compiles every verify-attention variant a model's rounds can pick (see
+    `reachable_variants`) by running each once on a dummy batch whose output is thrown away
+    (the cache is only read). A serving round never waits for a compile (seconds) this way;
+    Triton's disk cache makes later starts fast. Returns the number of variants."""
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    device = k_cache.device
+    variants = reachable_variants(
+        device,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        max_seqs=max_seqs,
+        max_q_len=max_q_len,
+        max_kv_len=max_kv_len,
+    )
+    for launch, num_seqs in variants.values():
+        # one tile's rows per sequence (the key's sequence-search width needs the count)
+        rows = launch.rows_per_tile
+        q = torch.zeros(
+            (num_seqs * rows, num_q_heads, head_dim), dtype=k_cache.dtype, device=device
+        )  # [R, Hq, D]
+        cu_q_lens = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * rows
+        seq_lens = torch.full((num_seqs,), rows, dtype=torch.int32, device=device)
+        width = -(-rows // page_size)
+        block_tables = torch.zeros((num_seqs, width), dtype=torch.int32, device=device)
+        dummy = dataclasses.replace(launch, num_tiles=2 * num_seqs)
+        out = torch.empty_like(q)
+        _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, 1.0, dummy)
+    return len(variants)
 
 
 def verify_attention_ref(

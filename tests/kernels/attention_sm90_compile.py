@@ -19,7 +19,13 @@ import torch
 import triton
 
 from kernels import arch
-from kernels.attention import _next_pow2, _verify_attention_kernel, plan_launch, programs_per_sm
+from kernels.attention import (
+    _next_pow2,
+    _verify_attention_kernel,
+    plan_launch,
+    programs_per_sm,
+    seqs_pad,
+)
 from tests.kernels.sm90 import TARGET, ast_source
 
 _NUM_SMS = 132  # H100 SXM / H200
@@ -88,7 +94,7 @@ def main() -> int:
         consts = dict(
             GROUP=gqa, GROUP_PAD=_next_pow2(gqa), ROWS_TILE=launch.rows_per_tile,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HEAD_DIM=head_dim, D_PAD=head_dim,
-            PAGE_SIZE=16, NUM_SPLITS=launch.num_splits, SEQS_PAD=_next_pow2(batch + 1),
+            PAGE_SIZE=16, SPLIT=launch.num_splits > 1, SEQS_PAD=seqs_pad(batch),
             EVEN_D=True, DOT_PRECISION="tf32", LAZY_RESCALE=launch.lazy_rescale,
             PIPELINE_QK=launch.pipeline_qk,
         )  # fmt: skip

@@ -162,3 +162,45 @@ def test_accept_on_gpu():
     assert (num_acc == depth - 1).all()
     assert torch.equal(out[:, : depth - 1].long(), drf.view(seqs, depth)[:, :-1])
     assert ((out[:, -1] >= 0) & (out[:, -1] < vocab)).all()
+
+
+@pytest.mark.gpu
+def test_no_attention_compile_after_the_variants_are_compiled():
+    """After `compile_variants`, rounds of any shape within its bounds load no new kernel."""
+    import random
+
+    from kernels import attention
+
+    device = torch.device("cuda")
+    num_blocks, page, num_kv_heads, head_dim, num_q_heads = 64, 16, 8, 128, 32
+    k = torch.randn(num_blocks, page, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    attention.compile_variants(k, v, num_q_heads, max_seqs=16, max_q_len=64, max_kv_len=512)
+
+    def num_compiled() -> int:
+        caches = attention._verify_attention_kernel.device_caches.values()
+        return sum(len(c[0]) for c in caches)
+
+    before = num_compiled()
+    rng = random.Random(0)
+    for _ in range(40):
+        num_seqs = rng.randint(1, 16)
+        q_lens = [rng.randint(1, 64) for _ in range(num_seqs)]
+        ctx = [rng.randint(0, 512 - q) for q in q_lens]
+        seq_lens = [c + q for c, q in zip(ctx, q_lens)]
+        width = -(-max(seq_lens) // page)
+        tables = torch.randint(0, num_blocks, (num_seqs, width), dtype=torch.int32, device=device)
+        cu = torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32)
+        q = torch.randn(sum(q_lens), num_q_heads, head_dim, device=device, dtype=torch.bfloat16)
+        attention.verify_attention(
+            q,
+            k,
+            v,
+            cu,
+            torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            tables,
+            head_dim**-0.5,
+            max_q_len=max(q_lens),
+        )
+    torch.cuda.synchronize()
+    assert num_compiled() == before

@@ -331,3 +331,85 @@ def test_round_shapes_compile_no_new_attention_variants():
     # the JIT options (kept as given when the interpreter wraps the kernel)
     options = getattr(kernel, "kwargs", None) or {"do_not_specialize": kernel.do_not_specialize}
     assert {"num_seqs", "num_rows"} <= set(options["do_not_specialize"])
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    num_seqs=st.integers(1, 64),
+    extra_rows=st.integers(0, 300),
+    max_q_len=st.integers(1, 256),
+    kv_pages=st.integers(1, 256),
+    gqa=st.sampled_from([(32, 8), (16, 8), (8, 8)]),
+)
+def test_every_planned_launch_is_a_variant_compiled_ahead(
+    h200, num_seqs, extra_rows, max_q_len, kv_pages, gqa
+):
+    """Whatever round the engine builds (any mix of rows per sequence within the bounds), its
+    attention launch is one of the variants `compile_variants` compiles at start-up."""
+    from kernels.attention import variant_key
+
+    num_q_heads, num_kv_heads = gqa
+    max_kv_len = 4096
+    kv_len = min(16 * kv_pages, max_kv_len)
+    q_len = min(max_q_len, kv_len)
+    num_rows = min(num_seqs - 1 + q_len + extra_rows, num_seqs * q_len)
+    num_rows = max(num_rows, num_seqs - 1 + q_len)
+    reachable = _reachable(num_q_heads, num_kv_heads, max_kv_len)
+    launch = plan_launch(
+        torch.device(DEV),
+        num_rows=num_rows,
+        num_seqs=num_seqs,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        max_kv_len=kv_len,
+        max_q_len=q_len,
+    )
+    assert variant_key(launch, num_seqs) in reachable, (num_rows, num_seqs, q_len, kv_len)
+
+
+_REACHABLE: dict = {}
+
+
+def _reachable(num_q_heads: int, num_kv_heads: int, max_kv_len: int) -> dict:
+    from kernels.attention import reachable_variants
+
+    key = (num_q_heads, num_kv_heads, max_kv_len)
+    if key not in _REACHABLE:
+        _REACHABLE[key] = reachable_variants(
+            torch.device(DEV),
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            page_size=16,
+            max_seqs=64,
+            max_q_len=256,
+            max_kv_len=max_kv_len,
+        )
+    return _REACHABLE[key]
+
+
+def test_compile_variants_runs_each_variant_once_and_leaves_the_cache(h200, monkeypatch):
+    from kernels import attention
+
+    runs = []
+    real_run = attention._run
+    monkeypatch.setattr(
+        attention, "_run", lambda *a: runs.append(attention.variant_key(a[-1], 1)) or real_run(*a)
+    )
+    k = torch.randn(4, 16, 2, 16)
+    v = torch.randn(4, 16, 2, 16)
+    k_before, v_before = k.clone(), v.clone()
+    num = attention.compile_variants(k, v, 4, max_seqs=4, max_q_len=64, max_kv_len=256)
+    reachable = attention.reachable_variants(
+        torch.device("cpu"),
+        num_q_heads=4,
+        num_kv_heads=2,
+        page_size=16,
+        max_seqs=4,
+        max_q_len=64,
+        max_kv_len=256,
+    )
+    assert num == len(reachable) == len(runs) == len(set(runs)) > 1
+    assert set(runs) == set(reachable)  # (the sequence-search width is 256 for any count here)
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)
