@@ -87,7 +87,7 @@ def measure_idle(engine, cfg: BenchConfig, paths: dict, model_inner) -> dict:
     """GPU idle in the engine loop at `idle_concurrency` decoding requests (torch profiler):
     all-AR, and adaptive on the first cohort."""
     from executor.drafters.synthetic import SyntheticDrafter
-    from loadtests.executor_bench import gpu_idle_fraction
+    from loadtests.executor_bench import engine_loop
 
     if engine.device.type != "cuda" or cfg.idle_rounds <= 0:
         return {}
@@ -98,8 +98,8 @@ def measure_idle(engine, cfg: BenchConfig, paths: dict, model_inner) -> dict:
             cfg.acceptance, cohort, cfg.seed, inner=cost_inner(drafter, model_inner)
         )
         install(engine, cfg, cfg.idle_concurrency, policy, paths[drafter], synth)
-        out[policy] = gpu_idle_fraction(
-            engine, cfg.idle_concurrency, cfg.prompt_len, cfg.idle_rounds
+        out[policy] = engine_loop(
+            engine, cfg.idle_concurrency, cfg.prompt_len, cfg.idle_rounds, profile_idle=True
         )
     return out
 

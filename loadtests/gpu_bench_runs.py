@@ -160,7 +160,8 @@ def build_engine(cfg: BenchConfig):
     from hipfire_serve.engine import Engine
 
     longest = cfg.prompt_len * 3 // 2 + cfg.max_tokens
-    idle_len = cfg.prompt_len + cfg.idle_rounds * 16 + 64  # executor_bench.gpu_idle_fraction
+    # executor_bench.engine_loop: the prompt, the prefill of the last arrivals, the rounds
+    idle_len = cfg.prompt_len + cfg.idle_rounds * 16 + 64
     return Engine(
         EngineConfig(
             model=cfg.model,
