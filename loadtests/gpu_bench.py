@@ -286,7 +286,20 @@ def main(argv: list[str] | None = None) -> int:
             log(f"GPU idle at C={cfg.idle_concurrency}: {fractions}")
         for note in notes:
             log(note)
-        runs, skipped = run_grid(engine, cfg, paths, model_inner, deadline, log)
+        from loadtests.compile_log import CompileLog
+
+        compiles = CompileLog().install()
+        try:
+            runs, skipped = run_grid(engine, cfg, paths, model_inner, deadline, log, compiles)
+        finally:
+            compiles.uninstall()
+        for run in runs:
+            c = run.get("compiles") or {}
+            if c.get("count"):
+                log(
+                    f"{run['policy']} {run['drafter']} {run['cohort']} C={run['concurrency']}: "
+                    f"{c['count']} Triton compilations ({c['seconds']} s): {c['kernels']}"
+                )
         log(f"{len(runs)} runs done, {len(skipped)} skipped; simulating")
         sims = simulate(cfg, paths)
     summary = report.summarize(runs, sims)

@@ -384,6 +384,40 @@ def _miss_lines(targets: dict, rows: list[dict]) -> list[str]:
     return [*lines, _md_table(headers, table)]
 
 
+STALL_FACTOR = 10.0
+STALL_MS = 100.0
+
+
+def stall_rows(runs: list[dict]) -> list[list[str]]:
+    """Per run with a stalled round (measured over STALL_FACTOR x predicted and STALL_MS):
+    the stalls and what the run compiled or captured meanwhile."""
+    rows = []
+    for run in runs:
+        stalls = [
+            m
+            for p, m, _ in run.get("pred_vs_meas") or []
+            if m > STALL_MS and p > 0 and m > STALL_FACTOR * p
+        ]
+        if not stalls:
+            continue
+        c = run.get("compiles") or {}
+        compiled = (
+            f"{c['count']} ({c['seconds']} s): {', '.join(c['kernels'])}" if c.get("count") else "0"
+        )
+        rows.append(
+            [
+                run["policy"],
+                run["drafter"],
+                run["cohort"],
+                str(run["concurrency"]),
+                ", ".join(f"{m:.0f}" for m in stalls),
+                compiled if c else "not recorded",
+                str(run.get("draft_graphs_captured", "-")),
+            ]
+        )
+    return rows
+
+
 def markdown(record: dict) -> str:
     cfg = record["config"]
     ceil = record["profile"].get("ceilings") or {}
@@ -491,6 +525,21 @@ def markdown(record: dict) -> str:
                 ],
             )
         )
+    stalls = stall_rows(record["runs"])
+    if stalls:
+        lines += [
+            "",
+            "## Stalls",
+            "",
+            f"Runs with a round over {STALL_FACTOR:.0f} x its prediction and over "
+            f"{STALL_MS:.0f} ms (of the sampled rounds), with the Triton compilations and draft "
+            "graph captures made during the run.",
+            "",
+            _md_table(
+                ["policy", "drafter", "cohort", "C", "stall ms", "compilations", "draft graphs"],
+                stalls,
+            ),
+        ]
     if record["skipped"]:
         lines += ["", f"## Runs not made (time budget {cfg['time_budget_s']:.0f} s)", ""]
         lines += [

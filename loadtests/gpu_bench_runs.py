@@ -279,7 +279,17 @@ def warm_graphs(engine, cfg: BenchConfig) -> int:
     return captured
 
 
-def run_point(engine, cfg, policy, drafter, cohort, concurrency, paths, model_inner) -> dict:
+def _model_drafter_graphs(model_inner) -> int:
+    """Decode graphs the cost drafter's model holds (0 without one)."""
+    graphs = getattr(model_inner, "graphs", None)
+    return len(graphs.graphs) if graphs is not None else 0
+
+
+def run_point(
+    engine, cfg, policy, drafter, cohort, concurrency, paths, model_inner, compiles=None
+) -> dict:
+    """One run. `compiles` (a `loadtests.compile_log.CompileLog`, installed): the Triton
+    compilations made during the run are recorded with it."""
     from executor.drafters.synthetic import SyntheticDrafter
     from hipfire_serve.types import SamplingParams
 
@@ -292,6 +302,8 @@ def run_point(engine, cfg, policy, drafter, cohort, concurrency, paths, model_in
     install(engine, cfg, concurrency, policy, paths[drafter], synth)
     graphs = engine.executor.graphs
     num_graphs = len(graphs.graphs) if graphs is not None else 0
+    num_draft_graphs = _model_drafter_graphs(model_inner)
+    compile_mark = compiles.mark() if compiles is not None else 0
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = make_prompts(cfg, concurrency, engine.target.config.vocab_size)
     steps, run_s, num_failed = drive_refill(engine, prompts, concurrency, params)
@@ -306,6 +318,9 @@ def run_point(engine, cfg, policy, drafter, cohort, concurrency, paths, model_in
         concurrency=concurrency,
         num_requests=len(prompts),
         graphs_captured=(len(graphs.graphs) if graphs is not None else 0) - num_graphs,
+        draft_graphs_captured=_model_drafter_graphs(model_inner) - num_draft_graphs,
+        # Triton compilations during the run (a first use costs seconds inside a round)
+        compiles=compiles.since(compile_mark) if compiles is not None else None,
         # (predicted ms, measured ms, speculating?) of every stride-th round, for the scatter
         pred_vs_meas=[
             [round(s.predicted_s * 1e3, 4), round(s.measured_s * 1e3, 4), "S" in s.route]
@@ -379,7 +394,9 @@ def recover(engine, max_steps: int = 1000) -> bool:
     return not engine.has_unfinished()
 
 
-def run_grid(engine, cfg, paths, model_inner, deadline: float, log) -> tuple[list, list]:
+def run_grid(
+    engine, cfg, paths, model_inner, deadline: float, log, compiles=None
+) -> tuple[list, list]:
     """Runs the grid in order; a run that would pass the deadline is skipped, one that raises
     is recorded and the engine recovered, so one bad point does not lose the others."""
     runs, skipped = [], []
@@ -394,7 +411,7 @@ def run_grid(engine, cfg, paths, model_inner, deadline: float, log) -> tuple[lis
             continue
         t0 = time.perf_counter()
         try:
-            run = run_point(engine, cfg, policy, drafter, cohort, c, paths, model_inner)
+            run = run_point(engine, cfg, policy, drafter, cohort, c, paths, model_inner, compiles)
         except Exception as e:
             log(f"  rep {rep} {policy} {drafter} {cohort} C={c} failed: {e!r}")
             skipped.append({**point, "reason": f"failed: {e!r}"[:300]})

@@ -295,6 +295,8 @@ def test_quick_runs_recompute_from_their_steps(quick_record):
             assert again[key] == pytest.approx(run[key])
         if run["policy"] == "all-ar":
             assert run["route_mix"]["S"] == 0.0
+        # compilations recorded per run (none on a CPU: torch reference ops)
+        assert run["compiles"]["count"] >= 0 and run["draft_graphs_captured"] >= 0
         if run["policy"] == "all-spec":
             assert run["route_mix"]["S"] > 0.0
     assert sum(r["full_live_tok_s"] is not None for r in runs) > len(runs) // 2
@@ -485,3 +487,20 @@ def test_the_simulator_baselines_also_run_on_the_engine(tmp_path):
     for run in record["runs"]:
         assert run["num_failed"] == 0
         assert run["num_tokens"] == run["num_requests"] * record["config"]["max_tokens"]
+
+
+def test_stall_rows_name_the_runs_and_what_they_compiled():
+    from loadtests.gpu_bench_report import stall_rows
+
+    base = {"policy": "adaptive", "drafter": "ngram", "cohort": "mixed", "concurrency": 16}
+    compiled = {"count": 2, "seconds": 1.25, "kernels": ["_k1", "_k2"]}
+    stalled = [[12.0, 12.5, True], [12.7, 1309.1, True]]
+    runs = [
+        {**base, "pred_vs_meas": stalled, "draft_graphs_captured": 0, "compiles": compiled},
+        {**base, "concurrency": 8, "pred_vs_meas": [[70.0, 120.0, False]], "compiles": None},
+        {**base, "concurrency": 4, "pred_vs_meas": [[5.0, 90.0, True]]},  # under 100 ms
+    ]
+    rows = stall_rows(runs)
+    assert rows == [
+        ["adaptive", "ngram", "mixed", "16", "1309", "2 (1.25 s): _k1, _k2", "0"],
+    ]
