@@ -149,6 +149,7 @@ class PendingRound:
     num_kv_tokens: int = 0
     bucket: int = 0
     greedy_dev: torch.Tensor | None = None  # [L] bool on the device: the row decodes greedily
+    overlapped: bool = False  # a later round was launched before this one finished
     # advanced (see `RoundExecutor.advance`): [n] the token each row emits, on the device
     tokens_dev: torch.Tensor | None = None
 
@@ -429,6 +430,8 @@ class RoundExecutor:
         if with_probs:  # the logit rows the drafts' distributions belong to
             host.add("draft_rows", np.flatnonzero(has_next), np.int64)
         dev = host.upload()
+        if self._ahead is not None:
+            self._ahead.overlapped = True
         if "ahead_dst" in dev:  # after the upload, in stream order: the tokens of the round ahead
             dev["ids"].index_copy_(
                 0, dev["ahead_dst"], self._ahead.tokens_dev.index_select(0, dev["ahead_src"])
@@ -683,6 +686,7 @@ class RoundExecutor:
             num_padded_rows=p.num_padded,
             num_kv_tokens=p.num_kv_tokens,
             graph_replayed=bool(p.bucket),
+            overlapped=p.overlapped,
         )
 
     def _logprobs(self, p: PendingRound, starts, tokens, num_emitted) -> dict:

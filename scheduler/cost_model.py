@@ -156,6 +156,10 @@ class ProfileCost:
         """Target cost of a decode-only round: its rows padded to the graph bucket."""
         return self._padded(num_rows)
 
+    def ahead_ratio_scalar(self, num_rows: int) -> float:
+        """The factor an AR-only decode round's time takes when it runs ahead."""
+        return self._ahead_ratio.scalar(num_rows)
+
     def draft_step_ms(self, num_rows):
         return self._draft(num_rows)
 

@@ -308,6 +308,9 @@ class RoundResult(msgspec.Struct, frozen=True, kw_only=True):
     num_padded_rows: int
     num_kv_tokens: int
     graph_replayed: bool = False
+    # the next round was launched before this one finished (an advanced AR round): its time is
+    # its share of overlapped wall time, the period the cost model prices AR rounds run ahead at
+    overlapped: bool = False
 
     @property
     def reqs(self) -> tuple[ReqResult, ...]:

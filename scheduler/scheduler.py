@@ -201,8 +201,8 @@ class Scheduler:
         self._free_slots: list[int] = list(range(config.max_concurrency - 1, -1, -1))
         self._to_release: list[Request] = []  # finished/aborted/preempted, freed by next plan
         # plans launched and not yet updated, oldest first (two when one was advanced), each
-        # with the cost model's raw prediction
-        self._inflight: list[tuple[RoundPlan, float]] = []
+        # with the cost model's raw prediction, run ahead and alone (they differ for AR rounds)
+        self._inflight: list[tuple[RoundPlan, float, float]] = []
         # the launched AR round whose one token per request is already counted (advance())
         self._advanced: RoundPlan | None = None
         self._advanced_live = np.zeros(0, dtype=bool)  # [n] its rows that advance() counted
@@ -581,7 +581,10 @@ class Scheduler:
             reason=self._last_reason,
         )
         self._last_plan = plan
-        self._inflight.append((plan, self._last_raw_ms))
+        raw_alone = self._last_raw_ms
+        if total_rows and d_max == 0 and not num_prefill_rows:
+            raw_alone /= self.cost_model.profile.ahead_ratio_scalar(total_rows)
+        self._inflight.append((plan, self._last_raw_ms, raw_alone))
         self._cohort_changed = False
         # Slots released by this plan become reusable from the next plan on.
         self._free_slots.extend(released)
@@ -912,7 +915,7 @@ class Scheduler:
         self._last_measured_ms = measured_ms
         while self._inflight and self._inflight[0][0].round_id < result.round_id:
             self._inflight.pop(0)  # planned with nothing to run: never launched
-        plan, raw_ms = self._inflight[0] if self._inflight else (None, 0.0)
+        plan, raw_ms, raw_alone = self._inflight[0] if self._inflight else (None, 0.0, 0.0)
         if plan is not None and plan.round_id == result.round_id:
             self._inflight.pop(0)
         else:
@@ -920,7 +923,10 @@ class Scheduler:
         if measured_ms > 0:
             self.admission.charge(measured_ms / 1e3)
             if plan is not None and raw_ms > 0:
-                self.cost_model.observe(plan.num_rows, plan.spec_depth > 1, raw_ms, measured_ms)
+                # an AR round that did not overlap the next one is compared with its price
+                # alone: the correction stays about the model, not about the overlap
+                raw = raw_ms if result.overlapped else raw_alone
+                self.cost_model.observe(plan.num_rows, plan.spec_depth > 1, raw, measured_ms)
         self._pending_obs.append(None)  # this round decays every belief (applied later)
         out = result.out
         if plan is None:

@@ -146,6 +146,9 @@ class SimExecutor:
             num_padded_rows=rows,
             num_kv_tokens=plan.num_kv_tokens,
             graph_replayed=plan.row_bucket > 0,
+            # the simulator prices every AR-only decode round as run ahead (the engine's
+            # steady state)
+            overlapped=plan.is_decode_only and not plan.decode.num_draft.any(),
         )
 
     def next_positions(self, slots) -> list[int]:

@@ -24,9 +24,16 @@ def _idle(engine):
 
 def _count_calls(engine):
     """Counts advanced rounds and the launches made while an advanced round was running."""
-    counts = {"advanced": 0, "behind": 0}
+    counts = {"advanced": 0, "behind": 0, "overlapped": 0}
     ex = engine.executor
-    advance, launch = ex.advance, ex.launch
+    advance, launch, finish = ex.advance, ex.launch, ex.finish
+
+    def counted_finish(p):
+        result = finish(p)
+        # a round is reported overlapped exactly when a later one was launched before it ended
+        assert result.overlapped == (p.tokens_dev is not None and p.overlapped)
+        counts["overlapped"] += result.overlapped
+        return result
 
     def counted_advance(p):
         counts["advanced"] += 1
@@ -36,7 +43,7 @@ def _count_calls(engine):
         counts["behind"] += ex._ahead is not None
         return launch(plan)
 
-    ex.advance, ex.launch = counted_advance, counted_launch
+    ex.advance, ex.launch, ex.finish = counted_advance, counted_launch, counted_finish
     return counts
 
 
@@ -119,6 +126,7 @@ def test_rounds_ahead_change_no_output(model_dir, seed, spec_mode):
     if spec_mode == "ar":
         assert got[0] == want[0]  # every piece handed out, in the same steps
         assert counts["advanced"] > 0 and counts["behind"] > 0
+        assert 0 < counts["overlapped"] <= counts["behind"]
     else:  # the adaptive policy's route follows measured round times: compare whole outputs
         assert _joined(got[0]) == _joined(want[0])
     _idle(llm.engine)

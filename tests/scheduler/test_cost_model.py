@@ -174,3 +174,53 @@ def test_rounds_ahead_scale_only_ar_decode_rounds(rows, kv, depth, prefill):
     want = PROFILE.round_ms_scalar(*args) * scale
     assert ahead.round_ms_scalar(*args) == pytest.approx(want, rel=1e-9)
     assert float(ahead.round_ms(*args)) == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("overlapped", [True, False])
+def test_calibration_compares_ar_rounds_with_their_own_price(overlapped):
+    """An AR round that ran ahead costs its period (the profile's ahead ratio); one that did not
+    (the next round was speculative) costs the round alone. Measured at exactly those prices,
+    the AR correction stays 1 either way: it calibrates the model, not the overlap."""
+    import json
+    from pathlib import Path
+
+    import msgspec
+
+    from scheduler.plan import SamplingSpec
+    from scheduler.request import RequestSpec
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from scheduler.sim.executor import SimExecutor
+    from tests.scheduler.test_lifecycle_invariants import COHORTS
+
+    path = Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json"
+    raw = json.loads(path.read_text())
+    raw["target"]["ar_ahead_ratio"] = [[1, 0.8], [512, 0.8]]
+    profile = ProfileCost(raw)
+    cm = CostModel(profile)
+    cfg = SchedulerConfig(max_concurrency=2, spec_mode="ar", block_size=4, max_prefill_tokens=64)
+    sched = Scheduler(cfg, num_kv_blocks=64, cost_model=cm)
+    ex = SimExecutor(profile, COHORTS["code"], 2, seed=0, noise_sigma=0.0)
+    for i in range(2):
+        sched.add_request(
+            RequestSpec(
+                req_id=i,
+                prompt_token_ids=tuple(range(10, 30)),
+                sampling=SamplingSpec(),
+                max_tokens=30,
+            )
+        )
+    num_ar = 0
+    while sched.has_work():
+        plan = sched.plan(0.0)
+        result = ex.run(plan)
+        if plan.is_decode_only and not plan.decode.num_draft.any():
+            num_ar += 1
+            assert result.overlapped  # the simulator's AR rounds run ahead
+            if not overlapped:  # priced and measured as a round alone
+                timings = msgspec.structs.replace(
+                    result.timings, total_ms=result.timings.total_ms / 0.8
+                )
+                result = msgspec.structs.replace(result, timings=timings, overlapped=False)
+        sched.update(result, 0.0)
+    assert num_ar > 10
+    assert float(cm.correction(2, False)) == pytest.approx(1.0, abs=1e-6)
