@@ -66,6 +66,7 @@ class RoundStats(msgspec.Struct, kw_only=True):
     accepted_per_pos: list[int]
     policy_switches: int
     reason: str
+    overlapped: bool = False  # the next round was launched before this one finished
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -617,6 +618,7 @@ class Engine:
                 accepted_per_pos=accepted.tolist(),
                 policy_switches=new_switches,
                 reason=plan.reason,
+                overlapped=result.overlapped,
             )
         )
         if len(self._rounds) > 4096:  # nobody drained the stats: keep memory bounded

@@ -203,6 +203,12 @@ class ServerMetrics:
         self.policy_switches = Counter(
             p + "policy_switches", "Times the speculation policy changed its route.", m, registry=r
         )
+        self.rounds_overlapped = Counter(
+            p + "rounds_overlapped",
+            "Rounds whose successor was launched before they finished (rounds ahead).",
+            m,
+            registry=r,
+        )
         if vllm_compat:
             vllm_sources = [getattr(self, attr) for attr in _ATTR_OF_VLLM_NAME.values()]
             self.registry.register(_VllmAliases(vllm_sources))
@@ -242,6 +248,8 @@ class ServerMetrics:
         self._c(self.round_measured, name).observe(rnd.measured_s)
         if rnd.policy_switches:
             self._c(self.policy_switches, name).inc(rnd.policy_switches)
+        if getattr(rnd, "overlapped", False):
+            self._c(self.rounds_overlapped, name).inc()
         if rnd.num_spec:
             self._c(self.spec_decode_num_drafts, name).inc(rnd.num_spec)
         drafted = sum(rnd.drafted_per_pos)

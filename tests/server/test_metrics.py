@@ -28,6 +28,7 @@ HIPFIRE_NAMES = {
     "round_predicted_seconds": "histogram",
     "round_measured_seconds": "histogram",
     "policy_switches": "counter",
+    "rounds_overlapped": "counter",
     "live_slots": "gauge",
     "slot_capacity": "gauge",
 }
@@ -94,3 +95,21 @@ def test_schema_names_and_vllm_twins(server):
         values[("vllm:generation_tokens_total", tenant)]
         == values[("hipfire:generation_tokens_total", tenant)]
     )
+
+
+def test_rounds_run_ahead_are_counted():
+    from hipfire_serve.engine import RoundStats
+    from hipfire_serve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    common = dict(
+        num_rows=4, num_padded_rows=4, num_kv_tokens=64, num_spec=0, num_ar=4, num_prefill=0,
+        predicted_s=0.01, measured_s=0.01, phase_s={}, drafted_per_pos=[], accepted_per_pos=[],
+        policy_switches=0, reason="",
+    )  # fmt: skip
+    for overlapped in (True, True, False):
+        metrics.observe_round(RoundStats(route="AAAA", overlapped=overlapped, **common))
+    value = metrics.registry.get_sample_value(
+        "hipfire:rounds_overlapped_total", {"model_name": "m"}
+    )
+    assert value == 2
