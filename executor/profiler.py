@@ -137,6 +137,27 @@ class RoundTimer:
         self.pool = BlockPool(executor.kv.num_blocks, executor.block_size)
         self.last_phases: dict[str, float] = {}  # median phase times (ms) of the last shape
 
+    def _contexts(self, num_seqs: int, kv_len: int, new_tokens: int, seed: int):
+        """Set-ups of `num_seqs` requests (req id = slot) with random contexts of `kv_len`
+        tokens, and per slot KV blocks for the context and `new_tokens` more, from the timer's
+        own pool. -> (setups, blocks)"""
+        vocab = self.ex.target.config.vocab_size
+        bs = self.ex.block_size
+        g = torch.Generator().manual_seed(seed)
+        setups, blocks = [], []
+        for slot in range(num_seqs):
+            context = torch.randint(0, vocab, (kv_len,), generator=g).tolist()
+            blocks.append(self.pool.allocate(slot, -(-(kv_len + new_tokens) // bs)))
+            setups.append(
+                SeqSetup(
+                    req_id=slot,
+                    slot=slot,
+                    context_token_ids=tuple(context),
+                    sampling=SamplingSpec(),
+                )
+            )
+        return setups, blocks
+
     def time_round(
         self, num_rows: int, kv_len: int, repeats: int, rows_per_seq: int | None = None
     ) -> float:
@@ -149,33 +170,21 @@ class RoundTimer:
         if rows_per_seq > 1 and ex.drafter is None:
             raise ValueError(f"{num_rows} rows need speculative groups: load a drafter")
         num_seqs = -(-num_rows // rows_per_seq)
-        vocab = ex.target.config.vocab_size
-        g = torch.Generator().manual_seed(num_rows * 7919 + kv_len)
-        setups, reqs = [], []
+        setups, blocks = self._contexts(num_seqs, kv_len, rows_per_seq, num_rows * 7919 + kv_len)
+        reqs = []
         remaining = num_rows
         for slot in range(num_seqs):
             n = min(rows_per_seq, remaining)
             remaining -= n
-            req_id = slot
-            context = torch.randint(0, vocab, (kv_len,), generator=g).tolist()
-            blocks = self.pool.allocate(req_id, -(-(kv_len + n) // ex.block_size))
-            setups.append(
-                SeqSetup(
-                    req_id=req_id,
-                    slot=slot,
-                    context_token_ids=tuple(context),
-                    sampling=SamplingSpec(),
-                )
-            )
             reqs.append(
                 ReqPlan(
-                    req_id=req_id,
+                    req_id=slot,
                     slot=slot,
                     mode=Mode.AR if n == 1 else Mode.SPEC,
                     num_computed=kv_len - 1,
                     num_new=n,
                     num_draft=n - 1,
-                    new_block_ids=blocks,
+                    new_block_ids=blocks[slot],
                 )
             )
         plan = RoundPlan.from_reqs(
@@ -216,9 +225,6 @@ class RoundTimer:
         return statistics.median(times)
 
 
-_GREEDY = SamplingSpec()
-
-
 def time_rounds_ahead(timer: RoundTimer, num_rows: int, kv_len: int, repeats: int) -> float:
     """Median period (ms) of back-to-back AR rounds of `num_rows` requests at about `kv_len`
     tokens of context, each launched before the previous one finishes (`RoundExecutor.advance`,
@@ -228,16 +234,7 @@ def time_rounds_ahead(timer: RoundTimer, num_rows: int, kv_len: int, repeats: in
     if num_rows > ex.max_slots:
         raise ValueError(f"{num_rows} AR rows need as many slots; the executor has {ex.max_slots}")
     num_rounds = repeats + 3
-    vocab = ex.target.config.vocab_size
-    g = torch.Generator().manual_seed(num_rows * 7919 + kv_len + 1)
-    bs = ex.block_size
-    setups, blocks = [], []
-    for slot in range(num_rows):
-        context = torch.randint(0, vocab, (kv_len,), generator=g).tolist()
-        blocks.append(timer.pool.allocate(slot, -(-(kv_len + num_rounds) // bs)))
-        setups.append(
-            SeqSetup(req_id=slot, slot=slot, context_token_ids=tuple(context), sampling=_GREEDY)
-        )
+    setups, blocks = timer._contexts(num_rows, kv_len, num_rounds, num_rows * 7919 + kv_len + 1)
     plans = [
         RoundPlan.from_reqs(
             [
@@ -285,6 +282,27 @@ def time_rounds_ahead(timer: RoundTimer, num_rows: int, kv_len: int, repeats: in
     return float(np.median(periods))
 
 
+def standalone_drafter(model: Model, max_reqs: int, max_context: int, depth: int, graphs=True):
+    """A draft-model drafter outside any executor, for timing: its own KV cache and a block
+    table giving each of `max_reqs` slots blocks for `max_context` tokens and `depth` drafts
+    (graphs lazy on a GPU unless `graphs` is False)."""
+    from executor.drafters.draft_model import DraftModelDrafter
+
+    block = 16
+    blocks_each = -(-(max_context + depth + 1) // block)
+    drafter = DraftModelDrafter(
+        model,
+        num_blocks=max_reqs * blocks_each + 1,
+        block_size=block,
+        max_slots=max_reqs,
+        max_model_len=blocks_each * block,
+        graphs="lazy" if graphs else "off",
+    )
+    table = np.arange(1, max_reqs * blocks_each + 1, dtype=np.int32).reshape(max_reqs, -1)
+    drafter.bind_block_tables(table)
+    return drafter
+
+
 def time_draft_steps(
     model: Model,
     rows: tuple[int, ...],
@@ -298,21 +316,9 @@ def time_draft_steps(
     step 0 and the chain steps, graph replays on a GPU unless `graphs` is False, the copy of
     the drafts back), divided by `chain`; median of `repeats` after two warm-up proposals."""
     from executor.drafters.base import DraftRequest
-    from executor.drafters.draft_model import DraftModelDrafter
 
-    block = 16
     max_rows = max(rows)
-    blocks_each = -(-(context_len + chain + 1) // block)
-    drafter = DraftModelDrafter(
-        model,
-        num_blocks=max_rows * blocks_each + 1,
-        block_size=block,
-        max_slots=max_rows,
-        max_model_len=blocks_each * block,
-        graphs="lazy" if graphs else "off",
-    )
-    table = np.arange(1, max_rows * blocks_each + 1, dtype=np.int32).reshape(max_rows, -1)
-    drafter.bind_block_tables(table)
+    drafter = standalone_drafter(model, max_rows, context_len, chain, graphs)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     contexts = torch.randint(0, vocab, (max_rows, context_len), generator=g).tolist()

@@ -345,22 +345,11 @@ class StepClock:
 
 
 def make_drafter(model, max_reqs: int, max_context: int, depth: int) -> DraftModelDrafter:
-    """A draft-model drafter with its own KV cache and block table for `max_reqs` requests of
-    up to `max_context` tokens, built the way `executor.profiler.time_draft_steps` builds it
-    (graphs lazy on a GPU)."""
-    block = 16
-    blocks_each = -(-(max_context + depth + 1) // block)
-    drafter = DraftModelDrafter(
-        model,
-        num_blocks=max_reqs * blocks_each + 1,
-        block_size=block,
-        max_slots=max_reqs,
-        max_model_len=blocks_each * block,
-        graphs="lazy",
-    )
-    table = np.arange(1, max_reqs * blocks_each + 1, dtype=np.int32).reshape(max_reqs, -1)
-    drafter.bind_block_tables(table)
-    return drafter
+    """A draft-model drafter for `max_reqs` requests of up to `max_context` tokens, built as
+    `executor.profiler.time_draft_steps` builds it."""
+    from executor.profiler import standalone_drafter
+
+    return standalone_drafter(model, max_reqs, max_context, depth)
 
 
 def measure_propose(

@@ -26,7 +26,7 @@ from kernels.attention import (
     programs_per_sm,
     seqs_pad,
 )
-from tests.kernels.sm90 import TARGET, ast_source
+from tests.kernels.sm90 import compile_sm90
 
 _NUM_SMS = 132  # H100 SXM / H200
 _REGS_PER_SM = 65536
@@ -102,14 +102,8 @@ def main() -> int:
         if launch.max_regs:
             options["maxnreg"] = launch.max_regs
         name = f"b{batch} ctx{ctx} r{rows} gqa{gqa} {launch}"
-        try:
-            kernel = triton.compile(
-                ast_source(_verify_attention_kernel, consts, _arg_type, _aligned),
-                target=TARGET,
-                options=options,
-            )
-        except Exception as exc:
-            print(f"FAIL {name}: {type(exc).__name__}: {exc}")
+        kernel = compile_sm90(_verify_attention_kernel, consts, _arg_type, options, name, _aligned)
+        if kernel is None:
             return 1
         regs = _registers(kernel.asm["cubin"])
         shared = kernel.metadata.shared

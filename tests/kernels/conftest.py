@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -26,3 +27,27 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     ):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
+
+
+@pytest.fixture
+def tiles():
+    """Edits the attention tiles of the arch-table entry this device uses (the interpreter
+    plans with the CPU's entry); returns the edited tiles; restores the entry afterwards."""
+    import dataclasses
+
+    from kernels import arch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    family = arch.arch_config(device).family
+    saved = arch.FAMILY_CONFIGS[family]
+
+    def set_tiles(**changes):
+        arch.FAMILY_CONFIGS[family] = dataclasses.replace(
+            saved, attention=dataclasses.replace(saved.attention, **changes)
+        )
+        arch._config_for.cache_clear()
+        return arch.arch_config(device).attention
+
+    yield set_tiles
+    arch.FAMILY_CONFIGS[family] = saved
+    arch._config_for.cache_clear()

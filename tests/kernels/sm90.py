@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -32,3 +33,21 @@ def ast_source(
             attrs[(index,)] = [["tt.divisibility", 16]]
     constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def compile_sm90(
+    fn,
+    consts: dict,
+    arg_type: Callable[[str], str],
+    options: dict,
+    name: str,
+    aligned: Callable[[str], bool] = lambda name: False,
+):
+    """The compiled kernel for sm_90, or None after printing `FAIL <name>: <why>`."""
+    try:
+        return triton.compile(
+            ast_source(fn, consts, arg_type, aligned), target=TARGET, options=options
+        )
+    except Exception as exc:
+        print(f"FAIL {name}: {type(exc).__name__}: {exc}")
+        return None

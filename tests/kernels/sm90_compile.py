@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import sys
 
-import triton
-
 from kernels.fused_qk import _qk_norm_rope_kv_kernel
-from tests.kernels.sm90 import TARGET, ast_source
+from tests.kernels.sm90 import compile_sm90
 
 _NUM_WARPS = 8  # the Hopper entry's row_warps
 
@@ -47,14 +45,10 @@ def variants():
 def main() -> int:
     for dtype, consts in variants():
         consts = {"PAGE_SIZE": 16, "HEAD_DIM": 128, "D_PAD": 128, **consts}
-        try:
-            kernel = triton.compile(
-                ast_source(_qk_norm_rope_kv_kernel, consts, _arg_type(dtype)),
-                target=TARGET,
-                options={"num_warps": _NUM_WARPS},
-            )
-        except Exception as exc:
-            print(f"FAIL {dtype} {consts}: {type(exc).__name__}: {exc}")
+        options = {"num_warps": _NUM_WARPS}
+        name = f"{dtype} {consts}"
+        kernel = compile_sm90(_qk_norm_rope_kv_kernel, consts, _arg_type(dtype), options, name)
+        if kernel is None:
             return 1
         print(f"ok {dtype} {consts} cubin {len(kernel.asm['cubin'])} bytes")
     return 0

@@ -7,8 +7,6 @@ interpreter uses, so these tests run on the CPU as well as on a GPU.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -34,25 +32,6 @@ VARIANTS = {
     "large tiles": {"max_block_m": 128, "block_n_large": 16, "lazy_rescale": 1},
     "small block_n": {"block_n": 16, "lazy_rescale": 1, "pipeline_qk": 1},
 }
-
-
-@pytest.fixture
-def tiles():
-    """Edits the attention tiles of the entry this device uses; restores them afterwards."""
-    device = torch.device(DEV)
-    family = arch.arch_config(device).family
-    saved = arch.FAMILY_CONFIGS[family]
-
-    def set_tiles(**changes):
-        arch.FAMILY_CONFIGS[family] = dataclasses.replace(
-            saved, attention=dataclasses.replace(saved.attention, **changes)
-        )
-        arch._config_for.cache_clear()
-        return arch.arch_config(device).attention
-
-    yield set_tiles
-    arch.FAMILY_CONFIGS[family] = saved
-    arch._config_for.cache_clear()
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -35,25 +35,6 @@ def h200(monkeypatch):
     arch.FAMILY_CONFIGS["hopper"] = saved
 
 
-@pytest.fixture
-def tiles():
-    """Edits the attention tiles of the entry this device uses; restores them afterwards."""
-    device = torch.device(DEV)
-    family = arch.arch_config(device).family
-    saved = arch.FAMILY_CONFIGS[family]
-
-    def set_tiles(**changes):
-        arch.FAMILY_CONFIGS[family] = dataclasses.replace(
-            saved, attention=dataclasses.replace(saved.attention, **changes)
-        )
-        arch._config_for.cache_clear()
-        return arch.arch_config(device).attention
-
-    yield set_tiles
-    arch.FAMILY_CONFIGS[family] = saved
-    arch._config_for.cache_clear()
-
-
 def _plan(device, batch, ctx, rows, gqa, **kwargs):
     return plan_launch(
         device,
