@@ -30,8 +30,6 @@ def _count_calls(engine):
 
     def counted_finish(p):
         result = finish(p)
-        # a round is reported overlapped exactly when a later one was launched before it ended
-        assert result.overlapped == (p.tokens_dev is not None and p.overlapped)
         counts["overlapped"] += result.overlapped
         return result
 
