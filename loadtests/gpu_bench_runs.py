@@ -273,16 +273,18 @@ def warm_graphs(engine, cfg: BenchConfig) -> int:
     drafter = getattr(engine, "drafter", None)
     model_drafter = getattr(drafter, "inner", drafter)
     if hasattr(model_drafter, "capture_graphs"):
-        drafts_before = len(model_drafter.graphs.graphs) if model_drafter.graphs else 0
+        drafts_before = model_drafter.num_graphs
         blocks = tuple(range(lo, hi + 1))
-        captured += model_drafter.capture_graphs(max_c, widths=blocks) - drafts_before
+        captured += (
+            model_drafter.capture_graphs(max_c, widths=blocks, chain_steps=cfg.spec_depth - 1)
+            - drafts_before
+        )
     return captured
 
 
 def _model_drafter_graphs(model_inner) -> int:
-    """Decode graphs the cost drafter's model holds (0 without one)."""
-    graphs = getattr(model_inner, "graphs", None)
-    return len(graphs.graphs) if graphs is not None else 0
+    """Graphs the cost drafter's model holds: decode steps and fused chains (0 without one)."""
+    return getattr(model_inner, "num_graphs", 0)
 
 
 def run_point(

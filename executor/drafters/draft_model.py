@@ -21,11 +21,14 @@ sampling is exact for any q the drafts were really drawn from, so q only has to 
 `DraftBatch.probs` keeps q for every draft row; greedy rows there hold the point mass of their
 argmax. The draft model must share the target's vocabulary (the rows are indexed by token id).
 
-Graphs: on a GPU every chain step, and step 0 when it holds at most `GRAPH_MAX_ROWS_PER_SEQ` rows
-per request (no long catch-up), replays a captured decode graph of the draft model
-(`executor/graphs.py`, keyed by row bucket and block-table width). A small model's step is
-otherwise bound by kernel launches: eager, a 28-layer 0.6B model took 12 to 17 ms per step at any
-batch on an H200, so a depth-8 chain cost more than the target's round.
+Graphs: a small model's step is bound by kernel launches when run eagerly (a 28-layer 0.6B model
+took 12 to 17 ms per step at any batch on an H200, so a depth-8 chain cost more than the target's
+round). On a GPU, step 0 replays a captured decode graph of the draft model (`executor/graphs.py`,
+keyed by row bucket and block-table width) in passes of at most `GRAPH_MAX_ROWS_PER_SEQ` rows per
+request, so a catch-up of a few AR rounds' tokens stays graphed (a catch-up longer than
+`MAX_CATCHUP_PASSES` passes runs as one eager forward). A greedy batch's steps 1 .. are one
+captured graph for the whole chain (`executor/draft_chain.py`); batches with sampled requests
+replay the decode graph step by step.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 import numpy as np
 import torch
 
+from executor.draft_chain import ChainGraphs
 from executor.drafters.base import DraftBatch, DraftRequest
 from executor.graphs import DEFAULT_BUCKETS, DecodeGraphs, bucket_for
 from executor.kv_cache import KVCache
@@ -43,6 +47,9 @@ from executor.model import AttnMetadata, Model
 # Step 0 replays a graph when no request feeds more rows than this (the last committed token,
 # plus the last accepted draft whose KV a fully accepted chain lacks); longer catch-ups run eagerly.
 GRAPH_MAX_ROWS_PER_SEQ = 4
+# A longer catch-up runs through the step-0 graphs in passes of GRAPH_MAX_ROWS_PER_SEQ rows per
+# request; beyond this many passes one eager forward is cheaper than replaying them all.
+MAX_CATCHUP_PASSES = 8
 
 
 class DraftModelDrafter:
@@ -59,13 +66,25 @@ class DraftModelDrafter:
         max_model_len: int,
         seed: int = 0,
         graphs: str = "lazy",
+        chain: str = "auto",
+        catchup_rows_per_pass: int | None = None,
     ):
         if graphs not in ("lazy", "startup", "off"):
             raise ValueError(f"graphs must be lazy, startup or off, got {graphs!r}")
+        if chain not in ("auto", "fused", "steps"):
+            raise ValueError(f"chain must be auto, fused or steps, got {chain!r}")
         self.model = model
         self.max_slots = max_slots
         self.use_graphs = graphs != "off" and model.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None  # made when the block table is bound
+        # Greedy chains as one graph ("auto": wherever decode graphs are on; "fused" also runs
+        # the fused chain eagerly without graphs; "steps": one forward per step).
+        self.fuse_chain = chain == "fused" or (chain == "auto" and self.use_graphs)
+        self.chain: ChainGraphs | None = None  # made when the block table is bound
+        # Step 0 rows per request per forward (None: all in one); passes only pay with graphs.
+        self.catchup_rows_per_pass = catchup_rows_per_pass or (
+            GRAPH_MAX_ROWS_PER_SEQ if self.use_graphs else None
+        )
         self.device = model.device
         self.block_size = block_size
         # drafting writes positions below this (the draft model's rope table may be shorter)
@@ -97,14 +116,30 @@ class DraftModelDrafter:
                 max_blocks_per_seq=block_tables.shape[1],
                 max_rows=bucket_for(GRAPH_MAX_ROWS_PER_SEQ * self.max_slots) or DEFAULT_BUCKETS[-1],
             )
+        if self.fuse_chain:
+            self.chain = ChainGraphs(
+                self.model,
+                self.kv.k,
+                self.kv.v,
+                block_size=self.block_size,
+                max_seqs=bucket_for(self.max_slots) or self.max_slots,
+                max_blocks_per_seq=block_tables.shape[1],
+                capture=self.use_graphs,
+                pool_source=self.graphs,
+            )
 
     def capture_graphs(
-        self, max_seqs: int | None = None, widths: tuple[int, ...] = (), q_lens=(1, 2, 4)
+        self,
+        max_seqs: int | None = None,
+        widths: tuple[int, ...] = (),
+        q_lens=(1, 2, 4),
+        chain_steps: int = 0,
     ) -> int:
         """Captures the drafting graphs ahead of serving: every row bucket that `max_seqs`
-        requests with `q` rows each can need (q = 1: chain steps; q = 2: step 0 after a fully
-        accepted chain; q = 4: step 0 after up to three AR rounds), at the given block-table
-        widths in blocks (default: the narrowest).
+        requests with `q` rows each can need (q = 1: sampled chain steps; q = 2: step 0 after a
+        fully accepted chain; q = 4: step 0 passes of a catch-up), at the given block-table
+        widths in blocks (default: the narrowest); with `chain_steps` (the serving depth - 1)
+        also the fused greedy chains of that length for every request bucket.
         Returns how many graphs exist. Without graphs (CPU, or off) nothing happens."""
         if self.graphs is None:
             return 0
@@ -118,7 +153,21 @@ class DraftModelDrafter:
                     self.graphs.capture(bucket, width, q)
                 if bucket >= top * q:
                     break
-        return len(self.graphs.graphs)
+        if self.chain is not None and chain_steps > 0:
+            for bucket in DEFAULT_BUCKETS:
+                if bucket > self.chain.max_seqs:
+                    break
+                for width in widths:
+                    self.chain.capture(bucket, width, chain_steps)
+                if bucket >= top:
+                    break
+        return self.num_graphs
+
+    @property
+    def num_graphs(self) -> int:
+        """Captured graphs: step graphs plus fused chains."""
+        num = len(self.graphs.graphs) if self.graphs is not None else 0
+        return num + (len(self.chain.graphs) if self.chain is not None else 0)
 
     # -- slot lifecycle -----------------------------------------------------------------------
     def setup(self, slot: int, context: list[int]) -> None:
@@ -187,8 +236,9 @@ class DraftModelDrafter:
                 local,  # row of the uploaded block-table rows
                 ctx_lens[local] - 1,  # position of the last committed token
                 draft_offsets[active[local]],  # first probs row of the request
+                num_drafts[active[local]],  # drafts of the request
             ]
-        )  # [4, E]
+        )  # [5, E]
         up_i64 = torch.from_numpy(plan_i64).to(dev, non_blocking=True)
         up_temps = torch.from_numpy(temps[active[local]]).to(dev, non_blocking=True)  # [E]
         up_tables = torch.from_numpy(np.ascontiguousarray(self.block_tables[slots, :width])).to(
@@ -199,29 +249,105 @@ class DraftModelDrafter:
             sl = slice(int(step_off[j]), int(step_off[j + 1]))
             return up_i64[0, sl], up_i64[1, sl], up_i64[2, sl], up_i64[3, sl], up_temps[sl]
 
-        # step 0: catch-up rows and the last committed token, one ragged forward
-        first_pos, num_rows, input_ids = [], [], []
-        for i, ctx_len in zip(active.tolist(), ctx_lens.tolist()):
-            r = requests[i]
-            start = min(int(self.kv_len[r.slot]), ctx_len - 1)
-            first_pos.append(start)
-            num_rows.append(ctx_len - start)
-            input_ids += np.asarray(r.context[start:]).tolist()
-        num_catchup_rows = sum(num_rows) - len(active)
-        ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        last_rows = torch.tensor(np.cumsum(num_rows) - 1, dtype=torch.int64, device=dev)
-        meta = self._meta(slots.tolist(), first_pos, num_rows)
-        logits = self._forward_logits(ids_t, meta, max(num_rows), last_rows)
-        req, _, _, prow, temp = entries(0)
-        self._pick(logits, req, prow, temp, 0, draft_tokens, probs)
+        # step 0: catch-up rows and the last committed token
+        num_catchup_rows = self._step0(
+            requests, active, ctx_lens, slots, entries(0), draft_tokens, probs
+        )
         clock.mark()
         for slot, ctx_len in zip(slots.tolist(), ctx_lens.tolist()):
             # the whole context now has draft KV; the drafts' KV becomes valid in `commit`
             self.kv_len[slot] = ctx_len
 
-        # steps 1 .. max_draft-1: one row per request still drafting, metadata on the device
+        if max_draft > 1 and self.chain is not None and probs is None:
+            # steps 1 .. max_draft-1 of a greedy batch: one fused chain
+            n = len(active)
+            req = up_i64[0, :n]
+            chain_width = self.graphs.width_for(width) if self.graphs is not None else width
+            out = self.chain.run(
+                bucket_for(n) or n,
+                chain_width,
+                max_draft - 1,
+                draft_tokens[req, 0],
+                up_i64[2, :n],
+                up_i64[4, :n],
+                up_tables,
+            )  # [n, max_draft - 1]
+            draft_tokens[req, 1:] = out
+        else:
+            self._chain_steps(max_draft, steps, entries, up_tables, draft_tokens, probs)
+
+        clock.mark()
+        tokens_host = draft_tokens.tolist()  # the one device->host copy of the drafts
+        # Catch-up time: what step 0 cost beyond a plain chain step (the mean of steps 1..).
+        # A single draft has no plain step to compare with: then the catch-up rows' share of
+        # step 0 stands in.
+        catchup_ms = 0.0
+        if num_catchup_rows:
+            first_ms, chain_ms = clock.intervals_ms()
+            if max_draft > 1:
+                step_ms = chain_ms / (max_draft - 1)
+                catchup_ms = max(first_ms - step_ms, 0.0)
+            else:
+                catchup_ms = first_ms * num_catchup_rows / (num_catchup_rows + len(active))
+        tokens = [tokens_host[i][: int(num_drafts[i])] for i in range(num_reqs)]
+        return DraftBatch(
+            tokens=tokens,
+            probs=probs,
+            catchup_ms=catchup_ms,
+            extra={"num_catchup_rows": num_catchup_rows},
+        )
+
+    def _step0(self, requests, active, ctx_lens, slots, entries0, draft_tokens, probs) -> int:
+        """Step 0: per request the context rows the drafter has no KV for (at least the last
+        committed token), the last row's logits picking draft x_1. One ragged forward, or with
+        graphs passes of `catchup_rows_per_pass` rows per request (a request leaves the passes
+        at the one holding its last row). Returns the number of catch-up rows."""
+        first_pos, num_rows = [], []
+        for i, ctx_len in zip(active.tolist(), ctx_lens.tolist()):
+            start = min(int(self.kv_len[requests[i].slot]), ctx_len - 1)
+            first_pos.append(start)
+            num_rows.append(ctx_len - start)
+        per_pass = self.catchup_rows_per_pass or max(num_rows)
+        num_passes = -(-max(num_rows) // per_pass)
+        if num_passes > MAX_CATCHUP_PASSES:
+            per_pass, num_passes = max(num_rows), 1
+        req, _, _, prow, temp = entries0
+        dev = self.device
+        rows_np = np.asarray(num_rows, dtype=np.int64)  # [n0]
+        for p in range(num_passes):
+            lo = p * per_pass
+            members = np.flatnonzero(rows_np > lo)  # [m] requests with rows left
+            pass_rows = np.minimum(rows_np[members] - lo, per_pass)  # [m]
+            input_ids = []
+            for k, rows in zip(members.tolist(), pass_rows.tolist()):
+                start = first_pos[k] + lo
+                input_ids += np.asarray(
+                    requests[int(active[k])].context[start : start + rows]
+                ).tolist()
+            finishing = rows_np[members] <= lo + per_pass  # [m] last row in this pass
+            last_rows = (np.cumsum(pass_rows) - 1)[finishing]  # [f]
+            meta = self._meta(
+                slots[members].tolist(),
+                [first_pos[k] + lo for k in members.tolist()],
+                pass_rows.tolist(),
+            )
+            ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+            logits = self._forward_logits(
+                ids_t, meta, int(pass_rows.max()), torch.from_numpy(last_rows).to(dev)
+            )
+            if num_passes == 1:
+                self._pick(logits, req, prow, temp, 0, draft_tokens, probs)
+            else:
+                done = torch.from_numpy(members[finishing]).to(dev)  # [f] positions in active
+                self._pick(logits, req[done], prow[done], temp[done], 0, draft_tokens, probs)
+        return int(rows_np.sum()) - len(num_rows)
+
+    def _chain_steps(self, max_draft, steps, entries, up_tables, draft_tokens, probs) -> None:
+        """Steps 1 .. max_draft-1 one forward each: one row per request still drafting, its
+        metadata computed on the device."""
+        dev = self.device
         bs = self.block_size
-        arange = torch.arange(len(active) + 1, dtype=torch.int32, device=dev)
+        arange = torch.arange(len(steps[0]) + 1, dtype=torch.int32, device=dev)
         for j in range(1, max_draft):
             req, row, last_pos, prow, temp = entries(j)
             n = len(steps[j])
@@ -238,27 +364,6 @@ class DraftModelDrafter:
             )
             logits = self._forward_logits(draft_tokens[req, j - 1], meta, 1, None)
             self._pick(logits, req, prow, temp, j, draft_tokens, probs)
-
-        clock.mark()
-        tokens_host = draft_tokens.tolist()  # the one device->host copy of the drafts
-        # Catch-up time: what step 0 cost beyond a plain chain step (the mean of steps 1..).
-        # A single draft has no plain step to compare with: then the catch-up rows' share of
-        # step 0 stands in.
-        catchup_ms = 0.0
-        if num_catchup_rows:
-            first_ms, chain_ms = clock.intervals_ms()
-            if max_draft > 1:
-                step_ms = chain_ms / (max_draft - 1)
-                catchup_ms = max(first_ms - step_ms, 0.0)
-            else:
-                catchup_ms = first_ms * num_catchup_rows / (num_catchup_rows + len(num_rows))
-        tokens = [tokens_host[i][: int(num_drafts[i])] for i in range(num_reqs)]
-        return DraftBatch(
-            tokens=tokens,
-            probs=probs,
-            catchup_ms=catchup_ms,
-            extra={"num_catchup_rows": num_catchup_rows},
-        )
 
     def _forward_logits(
         self,

@@ -4,6 +4,8 @@ sizes."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -84,3 +86,74 @@ def test_capture_graphs_ahead_and_profile_step_times():
     eager = time_draft_steps(draft, (1, 4), repeats=3, graphs=False)
     assert [r for r, _ in graphed] == [1, 4]
     assert graphed[0][1] < eager[0][1]
+
+
+def test_fused_chain_and_graphed_catch_up_equal_eager_drafting():
+    """Requests with different draft counts (one sits most of the chain out) and lags of up to
+    nine AR rounds (step 0 in passes of four rows): the fused chain graph and the graphed passes
+    propose what eager drafting does and leave the same draft KV."""
+    dev = torch.device("cuda")
+    model = random_model("tiny", device=dev, dtype=torch.float32, max_position=512)
+    eager, graphed = _drafter(model, "off"), _drafter(model, "lazy")
+    assert graphed.chain is not None and graphed.catchup_rows_per_pass == 4
+    rng = np.random.default_rng(1)
+    vocab = model.config.vocab_size
+    contexts = {s: rng.integers(0, vocab, int(rng.integers(3, 30))).tolist() for s in range(5)}
+    for d in (eager, graphed):
+        for slot, ctx in contexts.items():
+            d.setup(slot, ctx)
+    for round_idx in range(8):
+        for s in contexts:  # AR rounds before this one: 0 .. 9 tokens the drafter missed
+            for _ in range(int(rng.integers(0, 10)) if round_idx % 3 == 1 else 0):
+                contexts[s].append(int(rng.integers(0, vocab)))
+                for d in (eager, graphed):
+                    d.commit(s, contexts[s], 0, 0)
+        depths = {s: int(rng.integers(1, 8)) for s in contexts}
+        reqs = [DraftRequest(s, list(contexts[s]), depths[s]) for s in sorted(contexts)]
+        out_eager = eager.propose(reqs, [True] * len(reqs))
+        out_graphed = graphed.propose(reqs, [True] * len(reqs))
+        assert out_graphed.tokens == out_eager.tokens, round_idx
+        for i, s in enumerate(sorted(contexts)):
+            num_accepted = int(rng.integers(0, depths[s] + 1))
+            contexts[s] += [*out_eager.tokens[i][:num_accepted], int(rng.integers(0, vocab))]
+            for d in (eager, graphed):
+                d.commit(s, contexts[s], num_accepted, depths[s])
+    assert len(graphed.chain.graphs) > 0
+    assert np.array_equal(eager.kv_len, graphed.kv_len)
+    blocks = torch.arange(MAX_SLOTS * BLOCKS_PER_SLOT, device=dev)
+    for k_e, k_g in zip(eager.kv.k, graphed.kv.k):
+        e = k_e[blocks].reshape(MAX_SLOTS, -1, *k_e.shape[2:])
+        g = k_g[blocks].reshape(MAX_SLOTS, -1, *k_g.shape[2:])
+        for s in range(MAX_SLOTS):
+            n = int(eager.kv_len[s])
+            torch.testing.assert_close(g[s, :n], e[s, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_fused_chain_is_captured_ahead_and_is_not_slower_than_step_replays():
+    from executor.profiler import standalone_drafter
+
+    dev = torch.device("cuda")
+    draft = random_model("qwen3-0.6b", device=dev, dtype=torch.bfloat16, max_position=2048)
+    fused = standalone_drafter(draft, 8, 1024, 8)
+    steps = standalone_drafter(draft, 8, 1024, 8)
+    steps.chain = None  # the step-by-step replays
+    before = fused.num_graphs
+    fused.capture_graphs(8, widths=(64,), chain_steps=7)
+    # request buckets 1, 2, 4, 8 at one width
+    assert len(fused.chain.graphs) == 4 and fused.num_graphs > before
+    g = torch.Generator().manual_seed(0)
+    contexts = torch.randint(0, draft.config.vocab_size, (8, 1000), generator=g).tolist()
+    times = {}
+    for name, d in (("fused", fused), ("steps", steps)):
+        reqs = [DraftRequest(s, contexts[s], 7) for s in range(8)]
+        for s in range(8):
+            d.setup(s, contexts[s])
+        runs = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            d.propose(reqs, [True] * 8)
+            torch.cuda.synchronize()
+            runs.append(time.perf_counter() - t0)
+        times[name] = sorted(runs[2:])[1]
+    assert times["fused"] <= times["steps"] * 1.05, times
