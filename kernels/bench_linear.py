@@ -1,7 +1,8 @@
-"""Benchmark of the decode-size linear layers of Qwen3-8B on one GPU: cuBLAS against the skinny
-Triton kernel; writes linear.json and linear.md and prints the table.
+"""Benchmark of the decode-size linear layers of Qwen3-8B (or of the Qwen3-0.6B-shaped draft
+model) on one GPU: cuBLAS against the skinny Triton kernel; writes linear.json and linear.md
+(linear-<model>.json/.md for another model) and prints the table.
 
-    python -m kernels.bench_linear --out DIR [--rows 1,2,4,8,16,32,64] [--shapes qkv,o_proj]
+    python -m kernels.bench_linear --out DIR [--model qwen3-0.6b] [--rows 1,2,4] [--shapes qkv]
 
 Per weight shape (qkv, o_proj, gate_up, down, lm_head; bf16) and row count it times
 - `F.linear` (cuBLAS, torch's default library),
@@ -15,7 +16,7 @@ plus written by a large device-to-device copy) measured in the same run. Every v
 checked against `F.linear` (max abs error over max abs value, < 1e-2). The record's
 `table_entries` are the kernel's best launches where they beat every torch variant, in the
 form of `kernels.skinny_linear.TUNED`; the projection sums one decode forward's linear layers
-(36 layers x 4 shapes + lm_head) with cuBLAS and with the best variant per shape.
+(layers x 4 shapes + lm_head) with cuBLAS and with the best variant per shape.
 Triton variants are compiled first in worker processes (Triton's on-disk cache), so the timing
 process only loads binaries.
 """
@@ -57,6 +58,21 @@ SHAPES: dict[str, tuple[int, int]] = {
     "lm_head": (151936, 4096),
 }
 NUM_LAYERS = 36
+# model -> (shapes, layers); Qwen3-0.6B: hidden 1024, 16 q heads + 2 x 8 kv heads of 128,
+# intermediate 3072, the same vocabulary
+MODELS: dict[str, tuple[dict[str, tuple[int, int]], int]] = {
+    "qwen3-8b": (SHAPES, NUM_LAYERS),
+    "qwen3-0.6b": (
+        {
+            "qkv": (4096, 1024),
+            "o_proj": (1024, 2048),
+            "gate_up": (6144, 1024),
+            "down": (1024, 3072),
+            "lm_head": (151936, 1024),
+        },
+        28,
+    ),
+}
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 # (block_n, block_k, num_warps, num_stages) of the candidate launches
 DOT_TILES = ((64, 256, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3))
@@ -333,19 +349,24 @@ def _row(rec: dict, copy_bw: float) -> str:
     )
 
 
-def projection(records: list[dict], rows: tuple[int, ...]) -> list[dict]:
-    """One decode forward's linear layers: 36 x (qkv + o_proj + gate_up + down) + lm_head."""
+def projection(
+    records: list[dict],
+    rows: tuple[int, ...],
+    shapes: dict[str, tuple[int, int]] = SHAPES,
+    num_layers: int = NUM_LAYERS,
+) -> list[dict]:
+    """One decode forward's linear layers: layers x (qkv + o_proj + gate_up + down) + lm_head."""
     out = []
     for num_rows in rows:
         by_shape = {r["shape"]: r for r in records if r["rows"] == num_rows}
-        if set(by_shape) != set(SHAPES) or any(
-            by_shape[s]["cublas_us"] is None or by_shape[s]["best_us"] is None for s in SHAPES
+        if set(by_shape) != set(shapes) or any(
+            by_shape[s]["cublas_us"] is None or by_shape[s]["best_us"] is None for s in shapes
         ):
             continue
-        weight = {s: (1 if s == "lm_head" else NUM_LAYERS) for s in SHAPES}
-        cublas = sum(weight[s] * by_shape[s]["cublas_us"] for s in SHAPES)
-        best = sum(weight[s] * by_shape[s]["best_us"] for s in SHAPES)
-        total_bytes = sum(weight[s] * by_shape[s]["weight_bytes"] for s in SHAPES)
+        weight = {s: (1 if s == "lm_head" else num_layers) for s in shapes}
+        cublas = sum(weight[s] * by_shape[s]["cublas_us"] for s in shapes)
+        best = sum(weight[s] * by_shape[s]["best_us"] for s in shapes)
+        total_bytes = sum(weight[s] * by_shape[s]["weight_bytes"] for s in shapes)
         out.append(
             {
                 "rows": num_rows,
@@ -398,11 +419,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS))
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--workers", type=int, default=12)
     args = parser.parse_args(argv)
     rows = tuple(int(r) for r in args.rows.split(","))
-    shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
+    model_shapes, num_layers = MODELS[args.model]
+    unknown = sorted(set(args.shapes.split(",")) - set(model_shapes))
+    if unknown:
+        parser.error(f"unknown shapes {', '.join(unknown)} (choose from {', '.join(SHAPES)})")
+    shapes = {s: model_shapes[s] for s in args.shapes.split(",")}
+    stem = "linear" if args.model == "qwen3-8b" else f"linear-{args.model}"
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -426,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for name, (n, k) in shapes.items():
         records += bench_shape(name, n, k, rows, num_sms, copy_bw, gen)
-    proj = projection(records, rows)
+    proj = projection(records, rows, shapes, num_layers)
     for p in proj:
         print(
             f"decode forward linears at {p['rows']} rows: cuBLAS {p['cublas_us']:.0f} us, "
@@ -435,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     record = {
         "device": props.name,
+        "model": args.model,
         "num_sms": num_sms,
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
@@ -446,9 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         "table_entries": table_entries(records),
         "records": records,
     }
-    (args.out / "linear.json").write_text(json.dumps(record, indent=1))
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1))
     lines = [
-        f"# Linear layers at decode sizes, {props.name}",
+        f"# Linear layers of {args.model} at decode sizes, {props.name}",
         f"Copy bandwidth {copy_bw:.2f} TB/s; weights bf16; times are medians of CUDA-graph "
         "replays (us per call).",
         "",
@@ -468,9 +496,9 @@ def main(argv: list[str] | None = None) -> int:
         *tuned_snippet(entries),
         "```",
     ]
-    (args.out / "linear.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(tuned_snippet(entries)))
-    print(f"wall {time.time() - t0:.1f} s; wrote {args.out / 'linear.json'}")
+    print(f"wall {time.time() - t0:.1f} s; wrote {args.out / f'{stem}.json'}")
     return 0
 
 

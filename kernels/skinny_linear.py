@@ -292,8 +292,9 @@ def skinny_linear_ref(
 
 # Picked configs per (N, K) and row bucket, from `python -m kernels.bench_linear` on an NVIDIA
 # H200 (2026-11-29; docs/perf/linear.md): the kernel's wins over every torch variant, for the
-# Qwen3-8B projections and LM head. They hold for GPUs of `TUNED_FAMILY` only; other GPUs keep
-# torch until measured. Shapes not listed take the rule in choose_config.
+# Qwen3-8B projections and LM head, and for those of a Qwen3-0.6B-shaped draft model. They
+# hold for GPUs of `TUNED_FAMILY` only; other GPUs keep torch until measured. Shapes not listed
+# take the rule in choose_config.
 TUNED_FAMILY = "hopper"
 TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (6144, 4096, 1): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 15.19 us vs 15.54 us
@@ -321,6 +322,32 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (151936, 4096, 4): SkinnyConfig(128, 256, 1, 8, 3, True, True),  # 281.72 us vs 298.17 us
     (151936, 4096, 8): SkinnyConfig(128, 256, 1, 8, 3, True, True),  # 283.42 us vs 300.15 us
     (151936, 4096, 16): SkinnyConfig(128, 256, 1, 8, 3, True, True),  # 286.72 us vs 302.24 us
+    # Qwen3-0.6B-shaped draft model (same GPU kind, 2026-11-30; docs/perf/linear-qwen3-0.6b.md)
+    (4096, 1024, 1): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 5.04 us vs 5.27 us
+    (4096, 1024, 2): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 5.07 us vs 5.25 us
+    (4096, 1024, 4): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 5.03 us vs 5.24 us
+    (4096, 1024, 8): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 5.08 us vs 5.24 us
+    (4096, 1024, 16): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 5.1 us vs 5.27 us
+    (1024, 2048, 1): SkinnyConfig(64, 256, 4, 4, 3, True, False),  # 5.32 us vs 12.97 us
+    (1024, 2048, 2): SkinnyConfig(64, 256, 4, 4, 3, True, True),  # 5.45 us vs 7.68 us
+    (1024, 2048, 4): SkinnyConfig(64, 256, 4, 4, 3, True, True),  # 5.42 us vs 7.66 us
+    (1024, 2048, 8): SkinnyConfig(64, 256, 4, 4, 3, True, True),  # 5.46 us vs 5.85 us
+    (1024, 2048, 16): SkinnyConfig(64, 256, 4, 4, 3, True, False),  # 5.52 us vs 5.87 us
+    (6144, 1024, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 5.59 us vs 6.0 us
+    (6144, 1024, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 5.63 us vs 5.96 us
+    (6144, 1024, 4): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 5.66 us vs 5.97 us
+    (6144, 1024, 8): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 5.61 us vs 5.9 us
+    (6144, 1024, 16): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 5.6 us vs 5.89 us
+    (1024, 3072, 1): SkinnyConfig(64, 256, 8, 4, 3, True, True),  # 5.97 us vs 7.43 us
+    (1024, 3072, 2): SkinnyConfig(64, 256, 8, 4, 3, True, True),  # 5.98 us vs 7.48 us
+    (1024, 3072, 4): SkinnyConfig(64, 256, 8, 4, 3, True, True),  # 6.09 us vs 7.54 us
+    (1024, 3072, 8): SkinnyConfig(64, 256, 8, 4, 3, True, True),  # 6.06 us vs 7.53 us
+    (1024, 3072, 16): SkinnyConfig(64, 256, 4, 4, 3, True, False),  # 6.24 us vs 7.52 us
+    (151936, 1024, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 71.77 us vs 77.6 us
+    (151936, 1024, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 72.47 us vs 78.14 us
+    (151936, 1024, 4): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 73.82 us vs 79.31 us
+    (151936, 1024, 8): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 75.05 us vs 80.06 us
+    (151936, 1024, 16): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 76.95 us vs 81.43 us
 }
 _TUNED_HERE: dict[tuple[str, int | None], bool] = {}
 

@@ -275,15 +275,12 @@ def warm_graphs(engine, cfg: BenchConfig) -> int:
     if hasattr(model_drafter, "capture_graphs"):
         drafts_before = model_drafter.num_graphs
         blocks = tuple(range(lo, hi + 1))
-        captured += (
-            model_drafter.capture_graphs(max_c, widths=blocks, chain_steps=cfg.spec_depth - 1)
-            - drafts_before
-        )
+        captured += model_drafter.capture_graphs(max_c, widths=blocks) - drafts_before
     return captured
 
 
 def _model_drafter_graphs(model_inner) -> int:
-    """Graphs the cost drafter's model holds: decode steps and fused chains (0 without one)."""
+    """Decode graphs the cost drafter's model holds (0 without one)."""
     return getattr(model_inner, "num_graphs", 0)
 
 

@@ -299,15 +299,13 @@ class StepClock:
     """Marks the device timeline around each drafting step of one `propose`: before the step's
     forward and after its pick (CUDA events on a GPU, read after the proposal's own copy back
     has synchronised; the host clock on a CPU, where work runs as it is issued). Installed by
-    wrapping the drafter instance's `_forward_logits` and `_pick`, and the fused chain's `run`
-    (one span for all its steps); removed on exit."""
+    wrapping the drafter instance's `_forward_logits` and `_pick`; removed on exit."""
 
     def __init__(self, drafter: DraftModelDrafter):
         self.drafter = drafter
         self.events = drafter.device.type == "cuda"
         self.starts: list = []
         self.ends: list = []
-        self.chain_span: tuple | None = None  # (start, end, steps) of a fused chain
 
     def _now(self):
         if not self.events:
@@ -330,39 +328,20 @@ class StepClock:
             return out
 
         d._forward_logits, d._pick = timed_forward, timed_pick
-        if d.chain is not None:
-            run = d.chain.run
-
-            def timed_run(bucket, width, steps, *args):
-                start = self._now()
-                out = run(bucket, width, steps, *args)
-                self.chain_span = (start, self._now(), steps)
-                return out
-
-            d.chain.run = timed_run
         return self
 
     def __exit__(self, *exc) -> None:
         del self.drafter._forward_logits, self.drafter._pick
-        if self.drafter.chain is not None:
-            del self.drafter.chain.run
 
     def _ms(self, a, b) -> float:
         return a.elapsed_time(b) if self.events else (b - a) * 1e3
 
     def steps_ms(self) -> list[float]:
-        """Step 0 (its passes summed), then each chain step (a fused chain's mean step)."""
-        spans = [self._ms(a, b) for a, b in zip(self.starts, self.ends)]
-        if self.chain_span is None:
-            return spans
-        start, end, steps = self.chain_span
-        return [sum(spans)] + [self._ms(start, end) / steps] * steps
+        """Per forward: step 0 (each of its passes), then the chain steps."""
+        return [self._ms(a, b) for a, b in zip(self.starts, self.ends)]
 
     def gaps_ms(self) -> list[float]:
-        """Device time between one step's pick and the next step's forward (host stalls); with a
-        fused chain, between step 0's last pick and the chain's start."""
-        if self.chain_span is not None:
-            return [self._ms(self.ends[-1], self.chain_span[0])] if self.ends else []
+        """Device time between one step's pick and the next step's forward (host stalls)."""
         return [self._ms(a, b) for a, b in zip(self.ends, self.starts[1:])]
 
 

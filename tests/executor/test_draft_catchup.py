@@ -1,8 +1,7 @@
-"""The draft model's fused greedy chain and its catch-up passes against step-by-step drafting:
-same proposals and same draft KV, for batches whose requests want different numbers of drafts
-(down to one, or none), lag by different numbers of AR rounds, and accept any prefix. On a CPU
-the fused chain runs its graph body eagerly from the same static buffers, so the row placement
-of requests that sit steps out is what is checked here; `test_gpu_draft_graphs.py` replays it."""
+"""The draft model's catch-up in passes (step 0 a few rows per request at a time, as graph
+replays take it) against one forward of all rows: same proposals and same draft KV, for batches
+whose requests want different numbers of drafts (down to one, or none), lag by different numbers
+of AR rounds, and accept any prefix. `test_gpu_draft_graphs.py` checks the graphed passes."""
 
 from __future__ import annotations
 
@@ -78,13 +77,13 @@ ROUNDS = st.lists(
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rounds=ROUNDS)
-def test_fused_chain_and_catch_up_passes_equal_step_by_step_drafting(draft_model, seed, rounds):
+def test_catch_up_passes_equal_one_forward_of_all_rows(draft_model, seed, rounds):
     rng = np.random.default_rng(seed)
     vocab = draft_model.config.vocab_size
-    reference = make_drafter(draft_model, chain="steps")
-    fused = make_drafter(draft_model, chain="fused", catchup_rows_per_pass=2)
-    assert fused.chain is not None and reference.chain is None
-    drafters = (reference, fused)
+    reference = make_drafter(draft_model)
+    passes = make_drafter(draft_model, catchup_rows_per_pass=2)
+    assert reference.catchup_rows_per_pass is None  # no graphs on a CPU: one forward
+    drafters = (reference, passes)
     contexts = {s: rng.integers(1, vocab, int(rng.integers(1, 12))).tolist() for s in range(4)}
     for d in drafters:
         for s, ctx in contexts.items():
@@ -103,7 +102,7 @@ def test_fused_chain_and_catch_up_passes_equal_step_by_step_drafting(draft_model
         if not reqs:
             continue
         want = reference.propose(reqs, [True] * len(reqs))
-        got = fused.propose(reqs, [True] * len(reqs))
+        got = passes.propose(reqs, [True] * len(reqs))
         assert got.tokens == want.tokens
         assert got.extra.get("num_catchup_rows") == want.extra.get("num_catchup_rows")
         for r, drafts in zip(reqs, want.tokens):
@@ -111,35 +110,27 @@ def test_fused_chain_and_catch_up_passes_equal_step_by_step_drafting(draft_model
             contexts[r.slot] += [*drafts[:num_accepted], int(rng.integers(1, vocab))]
             for d in drafters:
                 d.commit(r.slot, contexts[r.slot], num_accepted, r.num_draft)
-    assert np.array_equal(reference.kv_len, fused.kv_len)
+    assert np.array_equal(reference.kv_len, passes.kv_len)
     for s in range(MAX_SLOTS):
         n = int(reference.kv_len[s])
-        torch.testing.assert_close(slot_kv(fused, s, n), slot_kv(reference, s, n))
+        torch.testing.assert_close(slot_kv(passes, s, n), slot_kv(reference, s, n))
 
 
-def test_a_request_that_sits_steps_out_writes_no_kv_past_its_drafts(draft_model):
-    """In a fused chain a one-draft request idles for the other's steps: its KV stays exactly
-    as long as its own drafts need, and its neighbour's blocks are untouched by it."""
-    fused = make_drafter(draft_model, chain="fused")
-    before = [k.clone() for k in fused.kv.k]
-    ctx0, ctx1 = [5, 6, 7], [9, 10, 11, 12, 13]
-    fused.setup(0, ctx0)
-    fused.setup(1, ctx1)
-    out = fused.propose([DraftRequest(0, ctx0, 1), DraftRequest(1, ctx1, 6)], [True, True])
-    assert [len(t) for t in out.tokens] == [1, 6]
-    written = set()
-    for k_new, k_old in zip(fused.kv.k, before):
-        changed = (k_new != k_old).flatten(2).any(-1).nonzero().tolist()  # [block, offset]
-        written |= {b * BLOCK_SIZE + o for b, o in changed}
-    table = fused.block_tables
-    slot_positions = {
-        s: {int(table[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)}
-        for s, n in ((0, len(ctx0)), (1, len(ctx1) + 5))
-    }
-    # slot 0: its context only (the single draft is never fed); slot 1: context + 5 drafts
-    assert written == slot_positions[0] | slot_positions[1]
-
-
-def test_chain_modes_are_checked(draft_model):
-    with pytest.raises(ValueError, match="chain must be"):
-        make_drafter(draft_model, chain="graph")
+def test_sampled_first_drafts_keep_their_distribution_through_passes(draft_model):
+    """Requests leave the passes at different ones: each one's first draft distribution (the
+    softmax of its last context row, no sampling before it) lands in its own probs row."""
+    rng = np.random.default_rng(5)
+    vocab = draft_model.config.vocab_size
+    contexts = [rng.integers(1, vocab, n).tolist() for n in (3, 11, 7)]
+    reqs = [DraftRequest(s, contexts[s], d, temperature=0.8) for s, d in enumerate((2, 3, 1))]
+    out = {}
+    for name, per_pass in (("one", None), ("passes", 2)):
+        drafter = make_drafter(draft_model, catchup_rows_per_pass=per_pass, seed=9)
+        for s, ctx in enumerate(contexts):
+            drafter.setup(s, ctx)
+        out[name] = drafter.propose(reqs, [False, True, False])
+    first_rows = [0, 2, 5]  # request offsets in probs: 2 + 3 + 1 drafts
+    one, passes = out["one"].probs, out["passes"].probs
+    torch.testing.assert_close(passes[first_rows], one[first_rows])
+    assert passes[2].max() == 1.0  # the greedy request's point mass
+    assert out["passes"].tokens[1][0] == out["one"].tokens[1][0]
