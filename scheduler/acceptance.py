@@ -46,6 +46,27 @@ SWITCH = 0.08
 PRIOR_ALPHA = 0.02
 PRIOR_COUNT = 20.0
 MAX_ACCEPTANCE = 0.995
+# Calibration of the survival per draft position: realized / predicted survival over the
+# positions actually drafted, each with the prediction of the request's belief when observed.
+# The level model's one SWITCH rate cannot fit every text: in the simulator it over-predicted
+# the extra tokens of prose-like chains by ~10% (its easy stretches are shorter than ~12
+# tokens) and under-predicted code-like ones by ~18%, enough to speculate at a loss on prose
+# and to stay in AR on code. Every drafted position is an unbiased sample of "position j
+# accepted" against its predicted s_j (whether the chain survived so far or not), so the ratio
+# carries no survival selection. CALIB_WINDOW: observations per position in the running sums
+# (~a second of serving at C = 32); CALIB_PSEUDO: pseudo-observations at ratio 1, so a few
+# chains do not move it; the factor stays within CALIB_RANGE.
+CALIB_WINDOW = 400.0
+CALIB_PSEUDO = 20.0
+CALIB_RANGE = (0.5, 2.0)
+# Recent evidence: request-rounds observed, decayed per round by RECENT_DECAY (half-life ~700
+# rounds, a few seconds of serving). While it is below PROBE_OBSERVATIONS the prior rests on
+# little data (at start-up, or after a long stretch of AR), and a policy that only speculates
+# where the prior says it pays could stay in AR for good on a drafter better than the prior
+# (the configured 0.7 against ~0.8 first-position acceptance on code-like text): see
+# AdaptivePolicy's probe.
+RECENT_DECAY = 0.9995
+PROBE_OBSERVATIONS = 6.0
 
 
 class AcceptanceEstimator:
@@ -57,11 +78,20 @@ class AcceptanceEstimator:
         self.prior = prior / prior.sum()  # [L]
         self.belief = np.tile(self.prior, (num_slots, 1))  # [num_slots, L]
         self._num_prior_obs = PRIOR_COUNT
+        self.num_recent_observations = 0.0
         self._survival_matrix: np.ndarray | None = None  # [L, D], cached per prior
+        self._calibrated: np.ndarray | None = None  # [L, D] the same, calibrated
+        # running sums per draft position of predicted and realized survival (calibration)
+        self._calib_pred = np.full(self.max_drafts, CALIB_PSEUDO)  # [D]
+        self._calib_real = np.full(self.max_drafts, CALIB_PSEUDO)  # [D]
         # The last survival() answer, kept while no belief changes: the policy and the
         # scheduler both ask for the same slots in one plan.
         self._version = 0
         self._last: tuple[np.ndarray, int, np.ndarray] | None = None
+
+    def needs_probe(self) -> bool:
+        """The prior rests on too little recent evidence (see PROBE_OBSERVATIONS)."""
+        return self.num_recent_observations < PROBE_OBSERVATIONS
 
     def reset(self, slot: int) -> None:
         """A new request entered the slot: it starts from the global prior."""
@@ -100,12 +130,25 @@ class AcceptanceEstimator:
             self._survival_matrix = out
         return self._survival_matrix
 
+    def calibration(self) -> np.ndarray:
+        """[D] realized / predicted survival per draft position (see CALIB_WINDOW)."""
+        return np.clip(self._calib_real / self._calib_pred, *CALIB_RANGE)
+
+    def calibrated_matrix(self) -> np.ndarray:
+        """[L, D] survival_matrix with each position scaled by its calibration, kept at most 1
+        and falling with depth per row (so every belief's survival does too)."""
+        if self._calibrated is None:
+            scaled = np.minimum(self.survival_matrix() * self.calibration()[None, :], 1.0)
+            self._calibrated = np.minimum.accumulate(scaled, axis=1)
+        return self._calibrated
+
     def survival(self, slots: np.ndarray) -> np.ndarray:
-        """s_j = P(draft positions 1..j accepted): [len(slots), max_drafts] (read-only)."""
+        """s_j = P(draft positions 1..j accepted), calibrated: [len(slots), max_drafts]
+        (read-only)."""
         last = self._last
         if last is not None and last[0] is slots and last[1] == self._version:
             return last[2]
-        out = self.belief[slots] @ self.survival_matrix()
+        out = self.belief[slots] @ self.calibrated_matrix()
         out.setflags(write=False)
         self._last = (slots, self._version, out)
         return out
@@ -113,6 +156,7 @@ class AcceptanceEstimator:
     def decay(self) -> None:
         """Called once per round: every live request generated at least one token."""
         self._version += 1
+        self.num_recent_observations *= RECENT_DECAY
         self.belief *= 1.0 - SWITCH
         self.belief += SWITCH * self.prior
 
@@ -122,6 +166,7 @@ class AcceptanceEstimator:
             return
         self._version += 1
         b = self.belief[slots]  # [n, L]
+        self._calibrate(b, num_drafted, num_accepted)
         # The global prior learns from first positions only: they are observed on every
         # speculating request, while deeper ones only on chains that survived so far. Fed with
         # whole chains, the prior drifted below the observed first-position acceptance in the
@@ -138,7 +183,22 @@ class AcceptanceEstimator:
             b[rows] = (1.0 - SWITCH) * br + SWITCH * self.prior[None, :]
         self.belief[slots] = b
         self._num_prior_obs += len(slots)
+        self.num_recent_observations += len(slots)
         alpha = min(max(PRIOR_ALPHA, 1.0 / self._num_prior_obs) * len(slots), 0.5)
         self.prior = (1.0 - alpha) * self.prior + alpha * first.mean(0)
         self.prior /= self.prior.sum()
         self._survival_matrix = None
+        self._calibrated = None
+
+    def _calibrate(self, belief: np.ndarray, num_drafted: np.ndarray, num_accepted: np.ndarray):
+        """Adds one round's drafted positions to the calibration sums ([n, L] beliefs before
+        the round's outcomes)."""
+        d = self.max_drafts
+        depth = np.arange(d)[None, :]  # [1, D]
+        drafted = depth < num_drafted[:, None]  # [n, D]
+        predicted = (belief @ self.survival_matrix()) * drafted  # [n, D] uncalibrated
+        realized = (depth < num_accepted[:, None]) & drafted  # [n, D]
+        keep = np.exp(-drafted.sum(0) / CALIB_WINDOW)  # [D]
+        self._calib_pred = self._calib_pred * keep + predicted.sum(0)
+        self._calib_real = self._calib_real * keep + realized.sum(0)
+        self._calibrated = None

@@ -8,7 +8,8 @@ ranking all positions by value keeps every request's positions a prefix automati
 
 The round time is not additive: target rows are padded to a graph bucket, the drafter chain
 costs one step per position of the *deepest* request (d_max) over all speculating requests, and
-the first step also catches the drafter up on tokens it missed. So for every cap c = d_max in
+the first step also catches the drafter up on tokens it missed (priced per request, in ms,
+by the caller: see policy.amortized_catchup_ms). So for every cap c = d_max in
 1..D we rank the positions with j <= c by value (a marginal-gain order: each next position adds
 its survival probability and one row), evaluate every prefix of that ranking with the exact
 cost (buckets, drafter, KV term, calibration), and keep the best prefix over all caps, or no
@@ -49,7 +50,7 @@ def plan_depths(
     survival: np.ndarray,  # [n, D] s_ij, D = max drafts
     rank_key: np.ndarray,  # [n, D] ranking key (survival * hysteresis, FORCE_KEY, <= 0: excluded)
     weights: np.ndarray,  # [n] value of a token of request i
-    drafter_lag: np.ndarray,  # [n] tokens the drafter must catch up on if i speculates
+    catchup_ms: np.ndarray,  # [n] drafter catch-up ms charged to i's first position
     cost_model,  # CostModel (predict_ms_scalar, spec_row_terms, profile.draft_step_ms)
     base_rows: int,  # rows without drafts: one per decoding request + prefill chunk rows
     base_kv_tokens: int,
@@ -76,13 +77,13 @@ def plan_depths(
     # rows of a prefix do not depend on the cap.
     first = pos_of == 0  # [P]
     num_spec = np.cumsum(first)  # [P] speculating requests of the prefix ending here
-    lag = np.cumsum(np.where(first, drafter_lag[req_of], 0))  # [P]
+    catchup = np.cumsum(np.where(first, catchup_ms[req_of], 0.0))  # [P]
     corr, fixed = cost_model.spec_row_terms(
         base_rows, base_kv_tokens, len(order), num_prefill_rows
     )  # [P + 1] each, by draft rows taken
     draft_step = cost_model.profile.draft_step_ms
     step = draft_step(np.arange(int(num_spec[-1]) + 1))  # [K] one chain step over k rows
-    first_step = draft_step(num_spec + lag) if lag[-1] else step[num_spec]  # [P]
+    first_step = step[num_spec] + catchup  # [P]
     later_step = step[np.maximum(num_spec, 1)]  # [P]
     # A prefix must contain every forced position (they rank first, all at depth 1, so they
     # lead every cap's list too).

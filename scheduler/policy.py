@@ -30,14 +30,14 @@ HYSTERESIS = 0.03
 # switching to speculation yields at least one observation before it can be dropped again.
 # Arrivals and departures lift the dwell: the plan is re-made at once on a new cohort.
 MIN_DWELL_ROUNDS = 2
-# Catch-up amortisation (see amortized_lag): once caught up, the drafter stays caught up while
-# the request speculates, so the catch-up serves every round the request has left: its
-# remaining tokens / TOKENS_PER_SPEC_ROUND, where 1.5 is about the lowest mean accepted length
-# per speculating round in docs/perf/scheduler.md (prose-like text), capped at 512 rounds so
-# that a very long request does not treat any catch-up as free. Shorter horizons locked
-# requests out of speculation at C = 128..256 in the simulator (8 rounds on every cohort,
-# 64 rounds on the mixed cohort): the one-off cost never paid within them.
-TOKENS_PER_SPEC_ROUND = 1.5
+# Catch-up amortisation (see amortized_catchup_ms): once caught up, the drafter stays caught
+# up while the request speculates, so the catch-up serves every round the request has left:
+# its remaining tokens over the tokens one of its SPEC rounds makes (1 + its survival sum),
+# capped at 512 rounds so that a very long request does not treat any catch-up as free.
+# (A fixed 1.5 tokens per round, the lowest mean accepted length on prose-like text, stretched
+# the horizon of code-like requests ~3x, and they caught up on whole prompts that their few
+# remaining SPEC rounds never paid back: per request, the refill throughput of code-like text
+# at C = 64 went from 0.62x to 0.85x all-AR in the simulator, the round pricing already fixed.)
 CATCHUP_HORIZON_ROUNDS = 512.0
 # EMA weight of one round in the rate bar: ~20 rounds, enough to average the luck of single
 # rounds, short enough to follow a change of regime (arrivals, drain) within a second or so.
@@ -116,20 +116,71 @@ class RateTracker:
         self._ar_tokens += a * (measured_ms * ar_rate - self._ar_tokens)
 
 
-def amortized_lag(view: DecodeView) -> np.ndarray:
-    """[n] catch-up rows the planner charges to a request's first SPEC round.
+def amortized_catchup_ms(
+    view: DecodeView, survival: np.ndarray, cost_model: CostModel
+) -> np.ndarray:
+    """[n] drafter catch-up ms the planner charges to a request's first SPEC round.
 
     Catching the drafter up (after a prefill or AR rounds) is paid once and enables every
-    later SPEC round of the request, so charging it all to one round would lock requests out
-    of speculation exactly where a one-off cost is worth it. The planner spreads it over the
-    rounds the request can still speculate: its remaining tokens at ~TOKENS_PER_SPEC_ROUND per
-    round, at most CATCHUP_HORIZON_ROUNDS. (The predicted and measured round times keep the
-    full catch-up.)"""
-    horizon = np.clip(view.num_remaining / TOKENS_PER_SPEC_ROUND, 1.0, CATCHUP_HORIZON_ROUNDS)
-    # Rounded to the nearest row, not up: rounding up charged every lagging request a whole
-    # row per round, several times its share at the start of a request (a 128-token prompt
-    # over ~340 rounds is 0.4 rows), which kept a batch of 256 in AR at its break-even.
-    return np.rint(view.drafter_lag / horizon).astype(np.int64)
+    later SPEC round of the request, so it is spread over the rounds the request can still
+    speculate: its remaining tokens over the tokens one of its SPEC rounds makes at full
+    usable depth (1 + sum of its survival), at most CATCHUP_HORIZON_ROUNDS. The cost spread is
+    the request's lag on top of a drafter step over the batch, in ms, so the charge is that
+    cost / horizon whatever the shape of the step-time curve (spreading lag *rows* instead
+    priced them where the curve is flat or on its tail depending on the batch). (The
+    predicted and measured round times keep the full catch-up.)"""
+    lag = view.drafter_lag
+    if not lag.any():
+        return np.zeros(len(lag))
+    tokens_per_round = 1.0 + survival.sum(1)  # [n]
+    horizon = np.clip(view.num_remaining / tokens_per_round, 1.0, CATCHUP_HORIZON_ROUNDS)
+    step = cost_model.profile.draft_step_ms
+    rows = np.full(len(lag), len(lag))
+    return (step(rows + lag) - step(rows)) / horizon
+
+
+@dataclass(frozen=True)
+class PlanBasis:
+    """The round the planner prices drafts against (see decode_basis)."""
+
+    base_rows: int
+    base_kv_tokens: int
+    base_tokens: float
+    num_prefill_rows: int
+    rate_bar: float
+
+
+def decode_basis(view: DecodeView, cost_model: CostModel) -> PlanBasis:
+    """Drafts are priced as in a decode-only round of the round's decoding requests, at the
+    rate bar of the live batch.
+
+    Next to a prefill chunk a draft rides on an eager forward of thousands of rows: its rows
+    cost almost nothing, the round's own all-AR rate (the scheduler's bar: uplift x that
+    rate) is a few tokens over tens of ms, and the drafter's catch-up on whole prompts,
+    amortised against that round's gain, looked cheap. Those rounds took 1.8-1.9x their AR
+    time at C = 32..64 in the simulator and the refill throughput fell to 0.5-0.6x all-AR
+    at C = 64..128; the
+    gain that pays a catch-up back is the one of the decode rounds that follow. So a round
+    with prefill chunks is planned as its decode-only part would be. And while slots are
+    still filling (live requests not decoding yet), a ms spent now delays the whole live
+    batch: the bar is the uplift times the decode-only AR rate of all live requests."""
+    n = len(view.req_ids)
+    num_live = max(view.num_live, n)
+    if view.num_prefill_rows == 0 and num_live == n:
+        return PlanBasis(view.base_rows, view.base_kv_tokens, view.base_tokens, 0, view.rate_bar)
+    # KV of the decoding requests: a first prefill chunk adds its own rows to base_kv_tokens
+    # (a later chunk also its computed prefix: a slight over-estimate)
+    decode_kv = max(view.base_kv_tokens - view.num_prefill_rows, n)
+    decode_tokens = float(view.weights.sum())
+    rate_bar = view.rate_bar
+    if rate_bar > 0 and view.base_tokens > 0:
+        round_ar_ms = cost_model.predict_ms_scalar(
+            view.base_rows, view.base_kv_tokens, 0, 0, 0, view.num_prefill_rows
+        )
+        uplift = rate_bar * round_ar_ms / view.base_tokens
+        live_ar_ms = cost_model.predict_ms_scalar(num_live, int(decode_kv * num_live / n))
+        rate_bar = uplift * decode_tokens / n * num_live / live_ar_ms
+    return PlanBasis(n, decode_kv, decode_tokens, 0, rate_bar)
 
 
 def depth_caps(view: DecodeView) -> np.ndarray:
@@ -184,28 +235,57 @@ class AdaptivePolicy:
         hold = view.in_dwell & (not view.cohort_changed)
         force = view.may_spec & (view.must_spec | (hold & view.was_spec)) & usable[:, 0]
         exclude = hold & ~view.was_spec & ~view.must_spec
+        needs_probe = self.wants_probe(estimator)
+        may_probe = usable[:, 0] & ~exclude
         key[exclude] = -1.0
         key[force, 0] = FORCE_KEY
-        weights = view.weights
+        basis = decode_basis(view, cost_model)
+        catchup_ms = amortized_catchup_ms(view, survival, cost_model)
         choice = plan_depths(
             value,
             key,
-            weights,
-            amortized_lag(view),
+            view.weights,
+            catchup_ms,
             cost_model,
-            view.base_rows,
-            view.base_kv_tokens,
-            view.base_tokens,
-            view.num_prefill_rows,
-            view.rate_bar,
+            basis.base_rows,
+            basis.base_kv_tokens,
+            basis.base_tokens,
+            basis.num_prefill_rows,
+            basis.rate_bar,
         )
-        num_spec = int(np.count_nonzero(choice.num_draft))
+        num_draft = choice.num_draft
+        probe = ""
+        if not num_draft.any() and needs_probe:
+            num_draft, probe = self.probe(view, may_probe), " probe"
+        num_spec = int(np.count_nonzero(num_draft))
         ar_rate = choice.ar_tokens / choice.ar_ms
         gain = (choice.predicted_tokens / choice.predicted_ms) / ar_rate - 1.0 if ar_rate else 0.0
         reason = (
-            f"k={num_spec}/{n} d_max={int(choice.num_draft.max(initial=0))} "
+            f"k={num_spec}/{n} d_max={int(num_draft.max(initial=0))} "
             f"pred {gain * 100:+.1f}% tok/s vs AR"
+            + probe
             + (" drain" if view.draining else "")
             + (" cohort-change" if view.cohort_changed else "")
         )
-        return Decision(choice.num_draft, reason)
+        return Decision(num_draft, reason)
+
+    def wants_probe(self, estimator: AcceptanceEstimator) -> bool:
+        return estimator.needs_probe()
+
+    @staticmethod
+    def probe(view: DecodeView, eligible: np.ndarray) -> np.ndarray:
+        """[n] one draft for the eligible request whose drafter is the cheapest to catch up
+        (least lag; the one with the most tokens left among equals), nothing if none is.
+
+        Asked while the estimator's prior rests on too little recent evidence and the planner
+        speculated nobody: the prior is learned from drafted positions only, so without a
+        probe a drafter better than the prior would never be found out. One first position per
+        round is the cheapest observation the prior learns from (its first positions); the
+        request's own belief then decides whether it goes on."""
+        num_draft = np.zeros(len(view.req_ids), dtype=np.int64)
+        candidates = np.flatnonzero(eligible)
+        if len(candidates):
+            lag = view.drafter_lag[candidates]
+            best = candidates[np.lexsort((-view.num_remaining[candidates], lag))[0]]
+            num_draft[best] = 1
+        return num_draft

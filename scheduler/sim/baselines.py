@@ -28,7 +28,7 @@ from scheduler.policy import (
     AllSpecPolicy,
     Decision,
     DecodeView,
-    amortized_lag,
+    amortized_catchup_ms,
     depth_caps,
     usable_survival,
 )
@@ -211,7 +211,7 @@ class OraclePolicy:
             survival,
             key,
             view.weights,
-            amortized_lag(view),
+            amortized_catchup_ms(view, survival, self.true_cost),
             self.true_cost,
             view.base_rows,
             view.base_kv_tokens,

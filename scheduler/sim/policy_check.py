@@ -170,6 +170,7 @@ def compare(points: dict, cohorts, concurrency) -> list[dict]:
                     "concurrency": c,
                     "metric": metric,
                     **rate,
+                    "refill": {p: rec[p]["refill_tok_s"] for p in POLICIES},
                     "adaptive_spec_share": rec["adaptive"]["spec_share"],
                     "ratio": rate["adaptive"] / best if best > 0 else float("inf"),
                     "floor_ok": rate["adaptive"] >= FLOOR * best,
@@ -191,7 +192,7 @@ def format_table(variant: str, rows: list[dict]) -> str:
     lines = [
         f"profile {variant}",
         f"{'cohort':7s} {'C':>4s} {'adaptive':>9s} {'all-AR':>9s} {'all-spec':>9s} "
-        f"{'ad/best':>8s} {'spec%':>6s}  check",
+        f"{'ad/best':>8s} {'spec%':>6s} {'refill ad/AR/spec':>22s}  check",
     ]
     for r in rows:
         note = "" if r["floor_ok"] else f"  < {FLOOR}"
@@ -202,8 +203,9 @@ def format_table(variant: str, rows: list[dict]) -> str:
         star = "*" if r["metric"] != "full_live_tok_s" else " "
         lines.append(
             f"{r['cohort']:7s} {r['concurrency']:4d} {r['adaptive']:9.1f} {r['all-ar']:9.1f} "
-            f"{r['all-spec']:9.1f} {r['ratio']:8.3f}{star}{r['adaptive_spec_share'] * 100:6.1f}"
-            f"{note}"
+            f"{r['all-spec']:9.1f} {r['ratio']:8.3f}{star}{r['adaptive_spec_share'] * 100:6.1f} "
+            + "{:>22s}".format("/".join(f"{r['refill'][p]:.0f}" for p in POLICIES))
+            + note
         )
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ from scheduler.policy import (
     MIN_DWELL_ROUNDS,
     AdaptivePolicy,
     DecodeView,
-    amortized_lag,
+    amortized_catchup_ms,
 )
 from scheduler.request import RequestSpec
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -115,6 +115,9 @@ class _FixedSurvival(AdaptivePolicy):
     def survival(self, view, estimator):
         return self.next_survival
 
+    def wants_probe(self, estimator):
+        return False
+
 
 def _view(was_spec, in_dwell, n=16, lag=0):
     return DecodeView(
@@ -172,20 +175,23 @@ def test_catch_up_is_amortised_not_a_lock_out():
     policy = _FixedSurvival(0.0, 0)
     policy.next_survival = np.cumprod(np.full((n, 7), 0.9), axis=1)
     view = _view(False, False, n=n, lag=lag)
-    assert policy.decide(view, None, CostModel(PROFILE)).num_draft.any()
+    model = CostModel(PROFILE)
+    assert policy.decide(view, None, model).num_draft.any()
+    step = model.profile.draft_step_ms
+    full_ms = step(np.full(n, n + lag)) - step(np.full(n, n))  # [n] each one's whole catch-up
     myopic = plan_depths(
         policy.next_survival,
         policy.next_survival,
         np.ones(n),
-        view.drafter_lag,
-        CostModel(PROFILE),
+        full_ms,
+        model,
         n,
         n * 1000,
         float(n),
         0,
     )
     assert not myopic.num_draft.any()
-    assert (amortized_lag(view) < lag).all()
+    assert (amortized_catchup_ms(view, policy.next_survival, model) < full_ms).all()
 
 
 def test_estimator_learns_per_request():
@@ -194,8 +200,10 @@ def test_estimator_learns_per_request():
     for _ in range(10):
         est.decay()
         est.observe(np.array([0, 1]), np.array([7, 7]), np.array([7, 0]))
+    raw_good, raw_bad = est.belief[[0, 1]] @ est.survival_matrix()  # before calibration
+    assert raw_good[0] > prior[0] + 0.1 and raw_bad[0] < 0.3
     good, bad = est.survival(np.array([0, 1]))
-    assert good[0] > prior[0] + 0.1 and bad[0] < 0.3
+    assert good[0] > prior[0] and bad[0] < 0.3
     assert (np.diff(good) <= 0).all()  # survival never rises with depth
     # an idle request drifts back towards the prior
     for _ in range(200):
