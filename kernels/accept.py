@@ -41,7 +41,9 @@ from kernels.arch import arch_config, launch_options
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
-@triton.jit
+# Round-varying counts are not specialised: a new value class (1, a multiple of 16) would
+# compile a variant (seconds) inside a serving round.
+@triton.jit(do_not_specialize=["max_rows"])
 def _accept_greedy_kernel(
     target_ptr, draft_ptr, cu_rows_ptr, num_acc_ptr, out_ptr, max_rows,
     ROWS_PAD: tl.constexpr,
@@ -93,7 +95,7 @@ def accept_greedy(
     return num_acc, out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "max_rows"])
 def _accept_rejection_kernel(
     p_ptr, q_ptr, draft_ptr, cu_rows_ptr, u_ptr, ru_ptr, num_acc_ptr, out_ptr,
     num_rows, max_rows, vocab, stride_p, stride_q,

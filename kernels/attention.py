@@ -123,8 +123,19 @@ def _softmax_update(
 
 # Launch-varying integers are not specialised (Triton would compile separate variants for the
 # value 1 and for multiples of 16), and the sequence-search width has a floor: a serving round's
-# sequence count must not compile a new kernel (seconds) as the batch changes.
-@triton.jit(do_not_specialize=["num_seqs", "num_rows", "num_splits"])
+# sequence count must not compile a new kernel (seconds) as the batch changes. That includes the
+# block table's row stride (its width: an eager round's table is as wide as its longest
+# sequence) and the split buffers' outer strides (they scale with the row count).
+@triton.jit(
+    do_not_specialize=[
+        "num_seqs",
+        "num_rows",
+        "num_splits",
+        "stride_bt_seq",
+        "stride_p_split",
+        "stride_l_split",
+    ]
+)
 def _verify_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_q_lens_ptr, seq_lens_ptr, block_tables_ptr,
@@ -279,7 +290,7 @@ def _verify_attention_kernel(
                 tl.store(l_ptrs, lse, m_ok)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_p_split", "stride_l_split"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, cu_q_lens_ptr, num_seqs, num_splits,
     stride_p_split, stride_p_row, stride_p_head,

@@ -181,12 +181,15 @@ def test_no_attention_compile_after_the_variants_are_compiled():
 
     compiles = CompileLog().install()
     rng = random.Random(0)
-    for _ in range(40):
+    # block tables one block wide, a multiple of 16 wide and neither (an eager round's table is
+    # as wide as its longest sequence; a graph's is a bucket)
+    widths = [1, 16, 17, 32, 3] + [None] * 35
+    for extra_width in widths:
         num_seqs = rng.randint(1, 16)
-        q_lens = [rng.randint(1, 64) for _ in range(num_seqs)]
-        ctx = [rng.randint(0, 512 - q) for q in q_lens]
+        q_lens = [rng.randint(1, 16 if extra_width == 1 else 64) for _ in range(num_seqs)]
+        ctx = [rng.randint(0, (16 if extra_width == 1 else 512) - q) for q in q_lens]
         seq_lens = [c + q for c, q in zip(ctx, q_lens)]
-        width = -(-max(seq_lens) // page)
+        width = max(-(-max(seq_lens) // page), extra_width or 0)
         tables = torch.randint(0, num_blocks, (num_seqs, width), dtype=torch.int32, device=device)
         cu = torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32)
         q = torch.randn(sum(q_lens), num_q_heads, head_dim, device=device, dtype=torch.bfloat16)
