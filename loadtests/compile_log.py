@@ -120,12 +120,14 @@ class CompileLog:
         return len(self.events)
 
     def since(self, mark: int) -> dict:
-        """Compilations after `mark`: count, seconds (known ones), kernel names."""
+        """Compilations after `mark`: count, seconds (known ones), kernel names, and per
+        compilation its kernel and specialisation (what a start-up compile missed)."""
         evs = self.events[mark:]
         return {
             "count": len(evs),
             "seconds": round(sum(e["seconds"] or 0.0 for e in evs), 3),
             "kernels": sorted({e["kernel"] for e in evs}),
+            "variants": [{"kernel": e["kernel"], **e["variant"]} for e in evs],
         }
 
     def summary(self) -> list[dict]:
