@@ -183,6 +183,37 @@ def decode_basis(view: DecodeView, cost_model: CostModel) -> PlanBasis:
     return PlanBasis(n, decode_kv, decode_tokens, 0, rate_bar)
 
 
+def entry_key(
+    key: np.ndarray,  # [n, D] ranking key, changed in place
+    value: np.ndarray,  # [n, D] survival as the planner values it
+    catchup_ms: np.ndarray,  # [n] amortised catch-up (amortized_catchup_ms)
+    basis: PlanBasis,
+    cost_model: CostModel,
+) -> None:
+    """Ranks a lagging request's positions by what they are worth net of its catch-up.
+
+    The planner takes positions in key order and keeps the best prefix. Ranked by survival
+    alone, the first position of a request whose drafter must catch up came as early as any
+    other of the same survival, so a prefix could take a caught-up request's deeper positions
+    only together with costly entries of others. A lagging request is now worth its best mean
+    net value per position, max_d (s_1 + ... + s_d - catch-up in tokens at the bar) / d, and
+    none of its positions ranks above that (they stay a prefix); one whose survival never pays
+    its catch-up back is left out."""
+    lagging = (catchup_ms > 0) & (key[:, 0] > 0) & (key[:, 0] < FORCE_KEY)
+    if not lagging.any():
+        return
+    bar = basis.rate_bar
+    if bar <= 0:
+        ar_ms = cost_model.predict_ms_scalar(
+            basis.base_rows, basis.base_kv_tokens, 0, 0, 0, basis.num_prefill_rows
+        )
+        bar = basis.base_tokens / ar_ms
+    rows = np.flatnonzero(lagging)
+    depth = np.arange(1, key.shape[1] + 1)  # [D]
+    net = (np.cumsum(value[rows], axis=1) - (bar * catchup_ms[rows])[:, None]) / depth  # [r, D]
+    key[rows] = np.minimum(key[rows], net.max(axis=1)[:, None])
+
+
 def depth_caps(view: DecodeView) -> np.ndarray:
     """[n] the most drafts each request can use: a chain never needs to run past max_tokens."""
     caps = np.minimum(view.num_remaining - 1, view.max_drafts)
@@ -241,6 +272,8 @@ class AdaptivePolicy:
         key[force, 0] = FORCE_KEY
         basis = decode_basis(view, cost_model)
         catchup_ms = amortized_catchup_ms(view, survival, cost_model)
+        if catchup_ms.any():
+            entry_key(key, value, catchup_ms, basis, cost_model)
         choice = plan_depths(
             value,
             key,
