@@ -20,6 +20,7 @@ from scheduler.policy import (
     DecodeView,
     amortized_catchup_ms,
     decode_basis,
+    entry_key,
 )
 from scheduler.sim.policy_check import (
     FLOOR,
@@ -139,6 +140,21 @@ def test_planner_charges_the_catchup_ms_to_first_positions():
     key = survival * np.array([1.0, 1.0, 0.5, 0.5])[:, None]
     some = plan_depths(survival, key, np.ones(n), mixed, MODEL, n, kv, float(n), 0)
     assert some.num_draft[:2].all() and not some.num_draft[2:].any()
+
+
+def test_entry_key_ranks_a_lagging_request_net_of_its_catchup():
+    n = 3
+    survival = np.cumprod(np.full((n, 7), 0.8), axis=1)
+    key = survival.copy()
+    basis = decode_basis(_view(n, rate_bar=1.0), MODEL)
+    catchup = np.array([0.0, 0.5, 100.0])  # ms: none, some, more than it can ever pay
+    entry_key(key, survival, catchup, basis, MODEL)
+    assert np.array_equal(key[0], survival[0])  # nothing to catch up: ranked by survival
+    charge = basis.rate_bar * catchup[1]  # tokens
+    best_mean = max((survival[1, :d].sum() - charge) / d for d in range(1, 8))
+    assert np.allclose(key[1], np.minimum(survival[1], best_mean))
+    assert 0 < key[1, 0] < survival[1, 0] and (np.diff(key[1]) <= 0).all()  # still a prefix
+    assert (key[2] <= 0).all()  # never paid back: left out
 
 
 def test_decode_basis_prices_prefill_rounds_as_their_decode_part():
