@@ -39,6 +39,10 @@ MIN_DWELL_ROUNDS = 2
 # remaining SPEC rounds never paid back: per request, the refill throughput of code-like text
 # at C = 64 went from 0.62x to 0.85x all-AR in the simulator, the round pricing already fixed.)
 CATCHUP_HORIZON_ROUNDS = 512.0
+# Decisions between two checks of whether a probe could pay at all for a batch of the same
+# size (AdaptivePolicy.probe_can_pay: one more search, so not every round while the evidence
+# is stale).
+PROBE_RECHECK_ROUNDS = 64
 # EMA weight of one round in the rate bar: ~20 rounds, enough to average the luck of single
 # rounds, short enough to follow a change of regime (arrivals, drain) within a second or so.
 RATE_ALPHA = 0.05
@@ -248,6 +252,10 @@ class AdaptivePolicy:
     def __init__(self, hysteresis: float = HYSTERESIS, min_dwell_rounds: int = MIN_DWELL_ROUNDS):
         self.hysteresis = hysteresis
         self.min_dwell_rounds = min_dwell_rounds
+        # whether a probe could change anything (see probe_can_pay), re-checked when the
+        # batch size changes and every PROBE_RECHECK_ROUNDS decisions:
+        # [decisions since the check, batch size, answer]
+        self._probe_check = [0, -1, True]
 
     def survival(self, view: DecodeView, estimator: AcceptanceEstimator) -> np.ndarray:
         return estimator.survival(view.slots)[:, : view.max_drafts]
@@ -288,8 +296,14 @@ class AdaptivePolicy:
         )
         num_draft = choice.num_draft
         probe = ""
-        if not num_draft.any() and needs_probe:
-            num_draft, probe = self.probe(view, may_probe), " probe"
+        if not num_draft.any() and needs_probe and may_probe.any():
+            check = self._probe_check
+            check[0] += 1
+            if check[0] >= PROBE_RECHECK_ROUNDS or check[1] != n:
+                can_pay = self.probe_can_pay(view, estimator, cost_model, basis, catchup_ms)
+                check[:] = [0, n, can_pay]
+            if check[2]:
+                num_draft, probe = self.probe(view, may_probe), " probe"
         num_spec = int(np.count_nonzero(num_draft))
         ar_rate = choice.ar_tokens / choice.ar_ms
         gain = (choice.predicted_tokens / choice.predicted_ms) / ar_rate - 1.0 if ar_rate else 0.0
@@ -304,6 +318,30 @@ class AdaptivePolicy:
 
     def wants_probe(self, estimator: AcceptanceEstimator) -> bool:
         return estimator.needs_probe()
+
+    @staticmethod
+    def probe_can_pay(view, estimator, cost_model, basis: PlanBasis, catchup_ms) -> bool:
+        """Whether speculation would pay in this round if every request drafted at the best
+        acceptance level of the estimator: if not even then, no probe outcome could change a
+        decision (a compute-bound batch, a drafter too slow for it), and a probe's catch-up
+        and chain would be spent for nothing (1-2% of all-AR throughput at C = 8..128 in the
+        simulator)."""
+        top = estimator.survival_matrix()[-1, : view.max_drafts]  # [D]
+        best = usable_survival(view, np.broadcast_to(top, (len(view.req_ids), len(top))))
+        key = np.where(best > 0, best, -1.0)
+        choice = plan_depths(
+            best,
+            key,
+            view.weights,
+            catchup_ms,
+            cost_model,
+            basis.base_rows,
+            basis.base_kv_tokens,
+            basis.base_tokens,
+            basis.num_prefill_rows,
+            basis.rate_bar,
+        )
+        return bool(choice.num_draft.any())
 
     @staticmethod
     def probe(view: DecodeView, eligible: np.ndarray) -> np.ndarray:
