@@ -341,12 +341,18 @@ def time_draft_steps(
 
 
 def time_engine_overhead(
-    engine, concurrencies: tuple[int, ...], prompt_len: int = 64, num_steps: int = 12
+    engine,
+    concurrencies: tuple[int, ...],
+    prompt_len: int = 64,
+    num_steps: int = 12,
+    spec_mode: str = "ar",
 ) -> list[list[float]]:
     """Per decode round, the engine's host time outside `RoundExecutor` (planning, the
     scheduler's update, output collection, bookkeeping) at each live request count: the wall
-    time of `Engine.step` minus the executor's own round time, plain AR decode rounds, median
-    of `num_steps`. The engine's scheduler is swapped for a throw-away one and restored."""
+    time of `Engine.step` minus the executor's own round time, median of `num_steps`, in plain
+    AR decode rounds (`spec_mode` "ar": run ahead, so mostly hidden) or speculating ones
+    ("spec": every request drafts; nothing hides). The engine's scheduler is swapped for a
+    throw-away one and restored."""
     from hipfire_serve.types import SamplingParams
 
     saved = getattr(engine, "scheduler", None)
@@ -354,13 +360,15 @@ def time_engine_overhead(
     out = []
     try:
         for c in concurrencies:
-            engine.scheduler = engine._make_scheduler("ar", None)
+            engine.scheduler = engine._make_scheduler(spec_mode, None)
+            # tokens a request may emit: every measured step can emit a whole draft chain
+            max_tokens = (num_steps + 16) * (engine.config.spec_depth if spec_mode == "spec" else 1)
             # as many requests as can wait and decode together in this engine's KV cache
-            blocks_each = -(-(prompt_len + num_steps + 16) // engine.config.block_size) + 1
+            blocks_each = -(-(prompt_len + max_tokens) // engine.config.block_size) + 1
             c = min(c, engine.scheduler.config.max_queue, engine.num_kv_blocks // blocks_each)
             if c < 1 or any(p[0] == c for p in out):
                 continue
-            params = SamplingParams(max_tokens=num_steps + 16, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             g = torch.Generator().manual_seed(c)
             for i in range(c):
                 prompt = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
@@ -455,6 +463,9 @@ def build_profile(
     measured = {kv_len for _, kv_len, _ in grid}
     ref = min(measured, key=lambda k: abs(k - (ref_kv_len or 1024)))
     host_ms = time_engine_overhead(engine, _host_points(ex.max_slots)) if host_overhead else []
+    spec_host_ms = []
+    if host_overhead and engine.drafter is not None:
+        spec_host_ms = time_engine_overhead(engine, _host_points(ex.max_slots), spec_mode="spec")
     # AR rounds run ahead (the engine's default): the host's build and commit hide behind the
     # device, so such a round costs its period, a fraction of the round alone measured above
     ahead_ratio = []
@@ -488,6 +499,12 @@ def build_profile(
             f"KV rate fitted over contexts {list(kv_lens)}; rows_ms = the round at {ref} "
             "tokens of context per sequence minus that context's KV term"
             + (", plus the engine's host time per round (host_ms_per_round)" if host_ms else "")
+            + (
+                "; speculating rounds add the engine's host time around them "
+                "(spec_host_ms_per_round, by decoding requests)"
+                if spec_host_ms
+                else ""
+            )
         ),
         "ceilings": measure_ceilings(device) if with_ceilings else {},
         "target": {
@@ -505,6 +522,7 @@ def build_profile(
             "rows_kv_ms": grid,
             "ref_kv_len": ref,
             "host_ms_per_round": host_ms,
+            "spec_host_ms_per_round": spec_host_ms,
             "ar_ahead_ratio": ahead_ratio,
         },
     }

@@ -10,7 +10,12 @@ Predicted round time (ms), following the profile's own description:
 An AR-only decode round (no drafts, no prefill chunk) runs ahead in the engine: the host's work
 between rounds hides behind the device's, so its cost is scaled by the profile's
 `ar_ahead_ratio` (period of rounds run ahead / the round alone, measured per row count at the
-reference context, flat past its last point; absent in older profiles: 1).
+reference context, flat past its last point; absent in older profiles: 1). A speculating round
+cannot run ahead (its successor's drafts need its accepted tokens), so the engine's host work
+around it (planning, the scheduler's update, output collection) adds to its period: the
+profile's `spec_host_ms_per_round` over the round's decoding requests (absent: 0). That term
+is the engine's, not the executor's: calibration compares the executor's measured time with
+the prediction without it (`spec_host_ms_scalar`).
 
 `target(r)` interpolates the profiled dense cost (projections, MLP, LM head) between its points
 and extends the last segment linearly; attention is not in those numbers, hence the KV term with
@@ -110,6 +115,10 @@ class ProfileCost:
         else:
             self.draft_rows = np.array([1.0, 2.0])
             self.draft_ms_points = np.zeros(2)
+        host = np.asarray(target.get("spec_host_ms_per_round") or [[1, 0.0]], dtype=np.float64)
+        # [TABLE_ROWS] by decoding requests, flat outside the measured counts
+        self._spec_host = np.interp(np.arange(TABLE_ROWS), host[:, 0], np.maximum(host[:, 1], 0))
+        self._spec_host_list = self._spec_host.tolist()
         ratio = np.asarray(target.get("ar_ahead_ratio") or [[1, 1.0]], dtype=np.float64)
         # flat outside the measured row counts (np.interp clamps)
         self._ahead_ratio = _Curve(
@@ -163,6 +172,21 @@ class ProfileCost:
     def draft_step_ms(self, num_rows):
         return self._draft(num_rows)
 
+    def spec_host_ms(self, num_seqs):
+        """The engine's host time around a speculating round of `num_seqs` decoding requests."""
+        return self._spec_host[np.clip(np.asarray(num_seqs, dtype=np.int64), 0, TABLE_ROWS - 1)]
+
+    def spec_host_ms_scalar(self, num_seqs: int) -> float:
+        return self._spec_host_list[min(max(num_seqs, 0), TABLE_ROWS - 1)]
+
+    def round_spec_host_ms(
+        self, num_rows: int, num_prefill_rows: int, num_spec: int, draft_depth: int
+    ) -> float:
+        """spec_host_ms of a speculating round given as round_ms_scalar takes it: its decoding
+        requests are its rows less prefill and draft rows (at least its speculating ones)."""
+        seqs = num_rows - num_prefill_rows - num_spec * draft_depth
+        return self.spec_host_ms_scalar(max(seqs, num_spec))
+
     def attention_ms(self, num_kv_tokens):
         return np.asarray(num_kv_tokens) * self.kv_ms_per_token
 
@@ -186,7 +210,9 @@ class ProfileCost:
         num_spec = np.asarray(num_spec)
         first = self._draft(num_spec + drafter_lag_rows)
         rest = (np.maximum(draft_depth, 1) - 1) * self._draft(np.maximum(num_spec, 1))
-        t = t + np.where(draft_depth > 0, first + rest, 0.0)
+        seqs = np.asarray(num_rows) - num_prefill_rows - num_spec * draft_depth
+        host = self.spec_host_ms(np.maximum(seqs, num_spec))
+        t = t + np.where(draft_depth > 0, first + rest + host, 0.0)
         if drafter_prefill and np.any(num_prefill_rows):
             t = t + self._draft(num_prefill_rows)
         return t
@@ -214,6 +240,7 @@ class ProfileCost:
         if draft_depth > 0:
             t += self._draft.scalar(num_spec + drafter_lag_rows)
             t += (draft_depth - 1) * self._draft.scalar(max(num_spec, 1))
+            t += self.round_spec_host_ms(num_rows, num_prefill_rows, num_spec, draft_depth)
         if drafter_prefill and num_prefill_rows:
             t += self._draft.scalar(num_prefill_rows)
         return t
@@ -321,6 +348,9 @@ class CostModel:
         fixed = target + (base_kv_tokens + extra) * p.kv_ms_per_token  # [R]
         if self.drafter_prefill and num_prefill_rows:
             fixed = fixed + p._draft.scalar(num_prefill_rows)
+        # the engine's host time by the round's decoding requests (round_ms infers them from
+        # its rows: the same when every speculating request drafts the same depth)
+        fixed = fixed + p.spec_host_ms_scalar(base_rows - num_prefill_rows)
         corr = self.correction(rows, True)  # [R]
         num_spec = np.asarray(num_spec)
         lag_rows = np.asarray(lag_rows)
@@ -344,6 +374,7 @@ class CostModel:
         fixed = target + (base_kv_tokens + extra) * p.kv_ms_per_token  # [R]
         if self.drafter_prefill and num_prefill_rows:
             fixed = fixed + p._draft.scalar(num_prefill_rows)
+        fixed = fixed + p.spec_host_ms_scalar(base_rows - num_prefill_rows)
         return self.correction(rows, True), fixed
 
     def observe(self, num_rows: int, has_spec: bool, raw_predicted_ms: float, measured_ms: float):

@@ -926,6 +926,13 @@ class Scheduler:
                 # an AR round that did not overlap the next one is compared with its price
                 # alone: the correction stays about the model, not about the overlap
                 raw = raw_ms if result.overlapped else raw_alone
+                if plan.spec_depth > 1:  # the engine's host time is not in the executor's
+                    raw -= self.cost_model.profile.round_spec_host_ms(
+                        plan.num_rows,
+                        sum(q.num_new for q in plan.prefills),
+                        int(np.count_nonzero(plan.decode.num_draft)),
+                        plan.spec_depth - 1,
+                    )
                 self.cost_model.observe(plan.num_rows, plan.spec_depth > 1, raw, measured_ms)
         self._pending_obs.append(None)  # this round decays every belief (applied later)
         out = result.out

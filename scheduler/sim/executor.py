@@ -46,6 +46,7 @@ class SimExecutor:
         max_output_len: int = 8192,
     ):
         self.profile = profile
+        self.last_host_ms = 0.0  # the engine's host time around the last round (see run)
         self.acceptance = AcceptanceState(classes, seed, max_output_len + 64)
         self.rng = random.Random(seed + 2)
         self.noise_sigma = noise_sigma
@@ -122,6 +123,9 @@ class SimExecutor:
 
         rows = plan.row_bucket or plan.num_rows
         ms = 0.0
+        # the engine's host time around a speculating round: part of the round's period, not
+        # of the executor's measured time (the scheduler calibrates against the latter)
+        self.last_host_ms = 0.0
         if plan.num_reqs:
             depth = plan.spec_depth - 1 if num_spec else 0
             ms = self.profile.round_ms_scalar(
@@ -134,6 +138,11 @@ class SimExecutor:
                 self.drafter_prefill,
                 padded=True,
             )
+            if depth:
+                ms -= self.profile.round_spec_host_ms(rows, num_prefill_rows, num_spec, depth)
+                self.last_host_ms = self.profile.round_spec_host_ms(
+                    plan.num_rows, num_prefill_rows, num_spec, depth
+                )
             if self.time_scale is not None:
                 ms *= self.time_scale(plan.num_rows, num_spec > 0)
             if self.noise_sigma > 0:

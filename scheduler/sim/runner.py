@@ -196,7 +196,7 @@ def run_sim(
             if not (plan.setup or plan.release):
                 break  # nothing can run: a stuck workload (never expected)
             continue  # a release-only plan; the next one has work
-        ms = result.timings.total_ms
+        ms = result.timings.total_ms + executor.last_host_ms  # the round's period
         now += ms / 1e3
         deltas = sched.update(result, now)
         num_rounds += 1

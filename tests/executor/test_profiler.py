@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from executor import profiler
 from hipfire_serve.cli import main as cli_main
 from hipfire_serve.config import EngineConfig
 from hipfire_serve.engine import Engine
-from scheduler.cost_model import CostModel
+from scheduler.cost_model import CostModel, ProfileCost
 from tests.fixtures.tiny_models import make_tiny_model
 
 
@@ -65,8 +67,15 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
     # AR rounds run ahead: their period against the round alone, per AR row count (<= slots)
     assert [r for r, _ in t["ar_ahead_ratio"]] == [1, 2]
     assert all(0 < ratio <= 1 for _, ratio in t["ar_ahead_ratio"])
+    # speculating rounds cannot run ahead: the engine's host time around them, by requests
+    spec_host = {int(c): ms for c, ms in t["spec_host_ms_per_round"]}
+    assert sorted(spec_host) == [1, 4] and all(ms >= 0 for ms in spec_host.values())
     cm = CostModel.from_file(out)
     assert cm.predict_ms(2, 32) > 0
+    # a round of 4 requests drafting one token each: 8 rows, 4 decoding requests
+    without = dict(prof, target={**t, "spec_host_ms_per_round": []})
+    spec = cm.profile.round_ms_scalar(8, 0, 1, 4)
+    assert spec - ProfileCost(without).round_ms_scalar(8, 0, 1, 4) == pytest.approx(spec_host[4])
 
     # the engine finds the profile in the cache by its key
     monkeypatch.setattr(profiler, "CACHE_DIR", tmp_path / "cache")

@@ -224,3 +224,93 @@ def test_calibration_compares_ar_rounds_with_their_own_price(overlapped):
         sched.update(result, 0.0)
     assert num_ar > 10
     assert float(cm.correction(2, False)) == pytest.approx(1.0, abs=1e-6)
+
+
+def _profile_with_spec_host(points) -> ProfileCost:
+    import json
+    from pathlib import Path
+
+    raw = json.loads(
+        (Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json").read_text()
+    )
+    raw["target"]["spec_host_ms_per_round"] = points
+    return ProfileCost(raw)
+
+
+@given(
+    rows=st.integers(1, 3000),
+    kv=st.integers(0, 200_000),
+    depth=st.integers(0, 7),
+    num_spec=st.integers(0, 64),
+    prefill=st.sampled_from([0, 64]),
+)
+def test_speculating_rounds_carry_the_engines_host_time(rows, kv, depth, num_spec, prefill):
+    """`spec_host_ms_per_round` (by decoding requests) adds to speculating rounds only, the
+    same on the scalar and array paths."""
+    host = _profile_with_spec_host([[1, 1.0], [16, 2.0], [64, 3.0]])
+    num_spec = min(num_spec, rows) if depth else 0
+    args = (rows, kv, depth, num_spec, 2, prefill)
+    extra = 0.0
+    if depth:
+        seqs = max(rows - prefill - num_spec * depth, num_spec)
+        extra = float(np.interp(min(seqs, 4095), [1, 16, 64], [1.0, 2.0, 3.0]))
+        assert host.round_spec_host_ms(rows, prefill, num_spec, depth) == pytest.approx(extra)
+    want = PROFILE.round_ms_scalar(*args) + extra
+    assert host.round_ms_scalar(*args) == pytest.approx(want, rel=1e-9)
+    assert float(host.round_ms(*args)) == pytest.approx(want, rel=1e-9)
+
+
+def test_planner_grid_and_predict_agree_with_spec_host_time():
+    """The planner prices the host time by the round's decoding requests; `round_ms` infers
+    them from its rows, exactly when every speculating request drafts the same depth."""
+    model = CostModel(_profile_with_spec_host([[1, 1.5], [128, 2.5]]))
+    depth, num_spec, lag = np.array([1, 4, 6]), np.array([1, 2, 8]), np.array([0, 3, 0])
+    extra = num_spec * depth
+    grid = model.predict_spec_grid(32, 4000, extra, depth, num_spec, lag, 0)
+    for i in range(3):
+        want = model.predict_ms_scalar(
+            32 + int(extra[i]), 4000 + int(extra[i]), int(depth[i]), int(num_spec[i]), int(lag[i])
+        )
+        assert grid[i] == pytest.approx(want, rel=1e-9)
+    fixed = model.spec_row_terms(32, 4000, 40, 0)[1]
+    no_host = CostModel(PROFILE).spec_row_terms(32, 4000, 40, 0)[1]
+    assert fixed - no_host == pytest.approx(np.full(41, np.interp(32, [1, 128], [1.5, 2.5])))
+
+
+def test_calibration_leaves_the_engines_host_time_out():
+    """The simulated executor reports its own time (the engine's host time is the runner's):
+    measured at exactly the profile's price, the speculating correction stays 1, while the
+    simulated clock advances by the whole period."""
+    from scheduler.plan import SamplingSpec
+    from scheduler.request import RequestSpec
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from scheduler.sim.executor import SimExecutor
+    from tests.scheduler.test_lifecycle_invariants import COHORTS
+
+    profile = _profile_with_spec_host([[1, 2.0], [8, 4.0]])
+    cm = CostModel(profile)
+    cfg = SchedulerConfig(
+        max_concurrency=2, spec_mode="spec", block_size=4, max_prefill_tokens=64, has_drafter=True
+    )
+    sched = Scheduler(cfg, num_kv_blocks=128, cost_model=cm)
+    ex = SimExecutor(profile, COHORTS["code"], 2, seed=0, noise_sigma=0.0)
+    for i in range(2):
+        sched.add_request(
+            RequestSpec(
+                req_id=i,
+                prompt_token_ids=tuple(range(10, 30)),
+                sampling=SamplingSpec(),
+                max_tokens=60,
+            )
+        )
+    num_spec_rounds = 0
+    while sched.has_work():
+        plan = sched.plan(0.0)
+        result = ex.run(plan)
+        if plan.decode.num_draft.any():
+            num_spec_rounds += 1
+            assert ex.last_host_ms == pytest.approx(2.0 + 2.0 * (len(plan.decode.req_ids) - 1) / 7)
+            assert plan.predicted_ms == pytest.approx(result.timings.total_ms + ex.last_host_ms)
+        sched.update(result, 0.0)
+    assert num_spec_rounds > 5
+    assert float(cm.correction(8, True)) == pytest.approx(1.0, abs=1e-6)
