@@ -11,6 +11,8 @@ the server drives it from one thread, the offline `LLM` API from the caller's.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import logging
 import time
@@ -37,6 +39,8 @@ from scheduler.request import RequestSpec, RoundDeltas
 from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
 
 log = logging.getLogger("hipfire_serve.engine")
+# whether freeze_heap has registered the unfreeze that lets the exit collection finalise the set-up
+_UNFREEZE_AT_EXIT = False
 
 __all__ = ["ContextLengthError", "Engine", "EngineStats", "QueueFullError", "RoundStats"]
 
@@ -258,6 +262,19 @@ class Engine:
         self._rounds.clear()
         self._num_switches = 0
         self._next_id = 0
+        self.freeze_heap()
+
+    def freeze_heap(self) -> None:
+        """Moves every object alive now (models, caches, graphs, tables: the long-lived set-up)
+        out of the garbage collector's generations, so a full collection during serving scans
+        only what serving allocates instead of stalling a round for the whole heap. They are
+        handed back at exit, so the interpreter's last collection still finalises them."""
+        global _UNFREEZE_AT_EXIT
+        gc.collect()
+        gc.freeze()
+        if not _UNFREEZE_AT_EXIT:
+            atexit.register(gc.unfreeze)
+            _UNFREEZE_AT_EXIT = True
 
     def _compile_attention(self) -> None:
         """Compiles every attention kernel variant the target's and the draft model's rounds

@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"warm-up runs failed: {e!r}")
             if not recover(engine):
                 notes.append("the engine could not be drained after them")
+        engine.freeze_heap()  # the set-up stays out of the collector's scans during the runs
         idle = {}
         try:
             if time.perf_counter() < t_start + 0.4 * cfg.time_budget_s:

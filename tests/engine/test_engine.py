@@ -149,3 +149,17 @@ def test_a_failing_round_fails_only_its_requests_and_the_engine_keeps_serving(mo
     out = llm.generate([[5, 6, 7]], p)[0].outputs[0]
     assert len(out.token_ids) == 8 and out.finish_reason == "length"
     _idle(llm)
+
+
+def test_the_set_up_is_frozen_out_of_the_collectors_scans(model_dir):
+    """After the warm-up the engine's long-lived objects sit in the collector's permanent
+    generation: a full collection while serving does not walk them."""
+    import gc
+
+    gc.unfreeze()
+    llm = _llm(model_dir, max_concurrency=2)
+    assert gc.get_freeze_count() > 0
+    tracked = {id(o) for o in gc.get_objects()}  # the generations the collector scans
+    assert id(llm.engine.scheduler) not in tracked and id(llm.engine.executor) not in tracked
+    out = llm.generate("x = 1", SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
