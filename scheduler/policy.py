@@ -2,8 +2,10 @@
 one gets (0: AR). The scheduler owns lifecycle and KV; a policy only picks depths.
 
 `AdaptivePolicy` is the product's policy (`--spec-mode adaptive`): survival probabilities from
-the per-request acceptance estimators, the calibrated cost model, the depth planner, plus
-hysteresis and a minimum dwell so a request near the boundary does not flip every round.
+the per-request acceptance estimators, the calibrated cost model, the depth planner (drafts
+priced as in the decode round of the live batch, a drafter's catch-up spread over the
+request's own SPEC rounds), plus hysteresis and a minimum dwell so a request near the boundary
+does not flip every round, and a probe while the estimators' prior rests on little evidence.
 `AllSpecPolicy` (`--spec-mode spec`) and `AllARPolicy` (`--spec-mode ar`) are the fixed modes.
 """
 

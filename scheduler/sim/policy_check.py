@@ -14,7 +14,9 @@ Profile variants: the profile as measured, its draft-model step times x 0.5 (a f
 chain), and no draft model (an n-gram drafter: drafting costs no device time in the cost model,
 as the benchmark builds its n-gram profile). A point where some policy has no full-live round
 (at large C the refill workload may never run all slots decode-only) is compared on refill
-tokens/s instead and marked `*`.
+tokens/s instead and marked `*`. Each row also prints the three policies' refill tokens/s (the
+whole run, prefills, catch-ups and drain included): full-live leaves out rounds with a prefill
+chunk, where a drafter's catch-up on a whole prompt is often paid.
 
     python -m scheduler.sim.policy_check --profile docs/perf/gpu.json --acceptance \
         scheduler/profiles/acceptance.json
