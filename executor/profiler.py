@@ -282,10 +282,13 @@ def time_rounds_ahead(timer: RoundTimer, num_rows: int, kv_len: int, repeats: in
     return float(np.median(periods))
 
 
-def standalone_drafter(model: Model, max_reqs: int, max_context: int, depth: int, graphs=True):
+def standalone_drafter(
+    model: Model, max_reqs: int, max_context: int, depth: int, graphs=True, table_width: int = 0
+):
     """A draft-model drafter outside any executor, for timing: its own KV cache and a block
     table giving each of `max_reqs` slots blocks for `max_context` tokens and `depth` drafts
-    (graphs lazy on a GPU unless `graphs` is False)."""
+    (graphs lazy on a GPU unless `graphs` is False), the table padded with block 0 to
+    `table_width` columns when wider."""
     from executor.drafters.draft_model import DraftModelDrafter
 
     block = 16
@@ -299,6 +302,8 @@ def standalone_drafter(model: Model, max_reqs: int, max_context: int, depth: int
         graphs="lazy" if graphs else "off",
     )
     table = np.arange(1, max_reqs * blocks_each + 1, dtype=np.int32).reshape(max_reqs, -1)
+    if table_width > blocks_each:  # entries past a slot's blocks are never read
+        table = np.pad(table, ((0, 0), (0, table_width - blocks_each)))
     drafter.bind_block_tables(table)
     return drafter
 
@@ -310,15 +315,18 @@ def time_draft_steps(
     graphs: bool = True,
     chain: int = 7,
     context_len: int = 16,
+    table_width: int = 0,
 ) -> list[list[float]]:
     """One chain step of a draft model as the engine pays it: `DraftModelDrafter.propose` for
     `n` requests drafting `chain` tokens each from a caught-up context (host planning, uploads,
     step 0 and the chain steps, graph replays on a GPU unless `graphs` is False, the copy of
-    the drafts back), divided by `chain`; median of `repeats` after two warm-up proposals."""
+    the drafts back), divided by `chain`; median of `repeats` after two warm-up proposals.
+    `table_width`: block-table columns (the serving executor's), so the graphs replayed and
+    the attention's split plan (both follow the table's width) are the ones serving uses."""
     from executor.drafters.base import DraftRequest
 
     max_rows = max(rows)
-    drafter = standalone_drafter(model, max_rows, context_len, chain, graphs)
+    drafter = standalone_drafter(model, max_rows, context_len, chain, graphs, table_width)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     contexts = torch.randint(0, vocab, (max_rows, context_len), generator=g).tolist()
@@ -533,7 +541,13 @@ def build_profile(
             "shape": f"{draft_model.config.arch}: hidden {draft_model.config.hidden_size}, "
             f"{draft_model.config.num_layers} layers",
             # at the target's reference context: a step reads every drafting request's KV
-            "rows_ms_per_step": time_draft_steps(draft_model, draft_rows, repeats, context_len=ref),
+            "rows_ms_per_step": time_draft_steps(
+                draft_model,
+                draft_rows,
+                repeats,
+                context_len=ref,
+                table_width=ex.max_blocks_per_seq,
+            ),
             "context_len": ref,
             "note": "one chain step; a depth-D chain costs D-1 steps",
         }

@@ -29,3 +29,25 @@ def test_draft_step_times_the_drafters_proposals():
     first, second = calls[:16], calls[16:]
     assert first[0] == 16 and second[0] == 1 + 16 + 16  # catch-ups of the new slots
     assert first[8:] == [1] * 8 and second[8:] == [3] * 8
+
+
+def test_draft_steps_are_timed_with_the_serving_table_width():
+    """The block table is padded to the serving executor's width (graphs and the attention's
+    split plan follow it); the padding is never read, so proposals are those of a tight table."""
+    from executor.drafters.base import DraftRequest
+    from executor.profiler import standalone_drafter
+
+    model = random_model("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    tight = standalone_drafter(model, 2, 40, 4, graphs=False)
+    wide = standalone_drafter(model, 2, 40, 4, graphs=False, table_width=64)
+    assert tight.block_tables.shape == (2, 3) and wide.block_tables.shape == (2, 64)
+    assert (wide.block_tables[:, 3:] == 0).all()
+    contexts = [list(range(5, 45)), list(range(100, 133))]
+    outs = []
+    for d in (tight, wide):
+        for s in range(2):
+            d.setup(s, contexts[s])
+        reqs = [DraftRequest(s, contexts[s], 3) for s in range(2)]
+        outs.append(d.propose(reqs, [True, True]).tokens)
+    assert outs[0] == outs[1]
+    assert time_draft_steps(model, (2,), repeats=1, graphs=False, chain=3, table_width=64)
