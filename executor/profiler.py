@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from executor.drafters.base import DraftBatch
+from executor.drafters.draft_model import MAX_CATCHUP_PASSES
 from executor.model import Model
 from executor.round_executor import RoundExecutor
 from scheduler.kv_blocks import BlockPool
@@ -535,6 +536,8 @@ def build_profile(
         },
     }
     draft_model = getattr(engine.drafter, "model", None)
+    # (a synthetic drafter runs its inner drafter for the cost)
+    passes = getattr(getattr(engine.drafter, "inner", engine.drafter), "catchup_rows_per_pass", 0)
     if draft_model is not None:
         draft_rows = tuple(r for r in rows if r <= ex.max_slots)
         profile["draft_model"] = {
@@ -550,6 +553,15 @@ def build_profile(
             ),
             "context_len": ref,
             "note": "one chain step; a depth-D chain costs D-1 steps",
+            # a graphed drafter catches up in passes (DraftModelDrafter._step0)
+            **(
+                {
+                    "catchup_rows_per_pass": passes,
+                    "max_catchup_passes": MAX_CATCHUP_PASSES,
+                }
+                if passes
+                else {}
+            ),
         }
     return profile
 

@@ -4,7 +4,9 @@ Predicted round time (ms), following the profile's own description:
 
     target(bucket(rows)) + kv_tokens * kv_bytes_per_token / kv_read_bandwidth
       + drafter: one step over (num_spec + drafter_lag_rows) rows, then (d_max - 1) steps
-        over num_spec rows                      (a chain of depth d_max costs d_max steps)
+        over num_spec rows                      (a chain of depth d_max costs d_max steps);
+        a drafter that takes catch-ups in passes of `catchup_rows_per_pass` rows per request
+        (draft_model, graphed) pays one step per pass for the first one (first_step_ms)
       + drafter prefill over the round's prefill rows (when the drafter follows prefills)
 
 An AR-only decode round (no drafts, no prefill chunk) runs ahead in the engine: the host's work
@@ -115,6 +117,9 @@ class ProfileCost:
         else:
             self.draft_rows = np.array([1.0, 2.0])
             self.draft_ms_points = np.zeros(2)
+        # catch-up in passes (absent: one forward of all rows, whatever their number)
+        self.catchup_rows_per_pass = int((draft or {}).get("catchup_rows_per_pass") or 0)
+        self.max_catchup_passes = int((draft or {}).get("max_catchup_passes") or 1)
         host = np.asarray(target.get("spec_host_ms_per_round") or [[1, 0.0]], dtype=np.float64)
         # [TABLE_ROWS] by decoding requests, flat outside the measured counts
         self._spec_host = np.interp(np.arange(TABLE_ROWS), host[:, 0], np.maximum(host[:, 1], 0))
@@ -172,6 +177,21 @@ class ProfileCost:
     def draft_step_ms(self, num_rows):
         return self._draft(num_rows)
 
+    def first_step_ms(self, num_spec, lag_rows):
+        """The chain's first step: the last committed token of `num_spec` requests plus
+        `lag_rows` catch-up rows among them, in passes of `catchup_rows_per_pass` rows per
+        request (the rows spread evenly over the requests) up to `max_catchup_passes`, else
+        one forward. Scalars or arrays."""
+        num_spec = np.asarray(num_spec, dtype=np.float64)
+        lag_rows = np.asarray(lag_rows, dtype=np.float64)
+        rows = num_spec + lag_rows
+        if not self.catchup_rows_per_pass:
+            return self._draft(rows)
+        per_req = rows / np.maximum(num_spec, 1.0)
+        passes = np.ceil(per_req / self.catchup_rows_per_pass)
+        passes = np.where(passes > self.max_catchup_passes, 1.0, np.maximum(passes, 1.0))
+        return passes * self._draft(rows / passes)
+
     def spec_host_ms(self, num_seqs):
         """The engine's host time around a speculating round of `num_seqs` decoding requests."""
         return self._spec_host[np.clip(np.asarray(num_seqs, dtype=np.int64), 0, TABLE_ROWS - 1)]
@@ -208,7 +228,7 @@ class ProfileCost:
         ahead = (draft_depth == 0) & (np.asarray(num_prefill_rows) == 0)
         t = t * np.where(ahead, self._ahead_ratio(num_rows), 1.0)
         num_spec = np.asarray(num_spec)
-        first = self._draft(num_spec + drafter_lag_rows)
+        first = self.first_step_ms(num_spec, drafter_lag_rows)
         rest = (np.maximum(draft_depth, 1) - 1) * self._draft(np.maximum(num_spec, 1))
         seqs = np.asarray(num_rows) - num_prefill_rows - num_spec * draft_depth
         host = self.spec_host_ms(np.maximum(seqs, num_spec))
@@ -238,7 +258,10 @@ class ProfileCost:
         if draft_depth == 0 and not num_prefill_rows:
             t *= self._ahead_ratio.scalar(num_rows)
         if draft_depth > 0:
-            t += self._draft.scalar(num_spec + drafter_lag_rows)
+            if drafter_lag_rows and self.catchup_rows_per_pass:
+                t += float(self.first_step_ms(num_spec, drafter_lag_rows))
+            else:
+                t += self._draft.scalar(num_spec + drafter_lag_rows)
             t += (draft_depth - 1) * self._draft.scalar(max(num_spec, 1))
             t += self.round_spec_host_ms(num_rows, num_prefill_rows, num_spec, draft_depth)
         if drafter_prefill and num_prefill_rows:
@@ -355,7 +378,7 @@ class CostModel:
         num_spec = np.asarray(num_spec)
         lag_rows = np.asarray(lag_rows)
         step = p.draft_step_ms(np.arange(int(num_spec.max()) + 1))  # [K] one chain step
-        first = p.draft_step_ms(num_spec + lag_rows) if lag_rows.any() else step[num_spec]
+        first = p.first_step_ms(num_spec, lag_rows) if lag_rows.any() else step[num_spec]
         draft = first + (depth - 1) * step[np.maximum(num_spec, 1)]
         return corr[extra_rows] * (fixed[extra_rows] + draft)
 

@@ -314,3 +314,46 @@ def test_calibration_leaves_the_engines_host_time_out():
         sched.update(result, 0.0)
     assert num_spec_rounds > 5
     assert float(cm.correction(8, True)) == pytest.approx(1.0, abs=1e-6)
+
+
+def _profile_with_catchup_passes(per_pass: int, max_passes: int) -> ProfileCost:
+    import json
+    from pathlib import Path
+
+    raw = json.loads(
+        (Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json").read_text()
+    )
+    raw["draft_model"].update(catchup_rows_per_pass=per_pass, max_catchup_passes=max_passes)
+    return ProfileCost(raw)
+
+
+def test_a_graphed_drafter_pays_one_step_per_catch_up_pass():
+    passes = _profile_with_catchup_passes(4, 8)
+    step = PROFILE.draft_step_ms
+    # no catch-up: one step over the speculating requests, as without passes
+    assert float(passes.first_step_ms(3, 0)) == pytest.approx(float(step(3)))
+    # 2 requests, 10 catch-up rows: 6 rows each, two passes of 6 rows in all
+    assert float(passes.first_step_ms(2, 10)) == pytest.approx(2 * float(step(6)))
+    # more than 8 passes: one forward of every row
+    assert float(passes.first_step_ms(1, 40)) == pytest.approx(float(step(41)))
+    # a profile without passes prices every catch-up as one forward
+    assert float(PROFILE.first_step_ms(2, 10)) == pytest.approx(float(step(12)))
+
+
+@given(
+    rows=st.integers(1, 3000),
+    kv=st.integers(0, 200_000),
+    depth=st.integers(1, 7),
+    num_spec=st.integers(1, 64),
+    lag=st.integers(0, 400),
+)
+def test_catch_up_passes_price_alike_on_every_path(rows, kv, depth, num_spec, lag):
+    passes = _profile_with_catchup_passes(4, 8)
+    model = CostModel(passes)
+    a = float(passes.round_ms(rows, kv, depth, num_spec, lag))
+    b = passes.round_ms_scalar(rows, kv, depth, num_spec, lag)
+    assert a == pytest.approx(b, rel=1e-9)
+    grid = model.predict_spec_grid(
+        rows, kv, np.array([0]), np.array([depth]), np.array([num_spec]), np.array([lag]), 0
+    )
+    assert grid[0] == pytest.approx(model.predict_ms_scalar(rows, kv, depth, num_spec, lag))
