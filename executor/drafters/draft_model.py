@@ -293,7 +293,7 @@ class DraftModelDrafter:
             )
             if num_passes == 1:
                 self._pick(logits, req, prow, temp, 0, draft_tokens, probs)
-            else:
+            elif finishing.any():  # (a pass where no request ends only writes KV)
                 done = torch.from_numpy(members[finishing]).to(dev)  # [f] positions in active
                 self._pick(logits, req[done], prow[done], temp[done], 0, draft_tokens, probs)
         return int(rows_np.sum()) - len(num_rows)
@@ -327,9 +327,10 @@ class DraftModelDrafter:
         meta: AttnMetadata,  # on the device
         max_q_len: int,  # most rows of one sequence
         pick_rows: torch.Tensor | None,  # [num_seqs] rows whose logits are wanted; None: all
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Forward of the rows `meta` describes, K/V written into the draft cache; float32
-        logits of the picked rows [num_picked, vocab]. A graph replays it when one fits."""
+        logits of the picked rows [num_picked, vocab] (None when none is picked). A graph
+        replays it when one fits."""
         bucket = bucket_for(len(ids))
         if (
             self.graphs is not None
@@ -346,9 +347,14 @@ class DraftModelDrafter:
                 meta.block_tables,
                 max_q_len=max_q_len,
             )  # [num_rows, vocab], a view of the graph's output: read before the next replay
-            return logits if pick_rows is None else logits[pick_rows]
-        hidden = self.model.forward(ids, meta, self.kv.k, self.kv.v)
-        return self.model.logits(hidden if pick_rows is None else hidden[pick_rows])
+        else:
+            logits = None
+            hidden = self.model.forward(ids, meta, self.kv.k, self.kv.v)
+        if pick_rows is not None and len(pick_rows) == 0:
+            return None
+        if logits is None:
+            return self.model.logits(hidden if pick_rows is None else hidden[pick_rows])
+        return logits if pick_rows is None else logits[pick_rows]
 
     def _meta(self, slots: list[int], first_pos: list[int], num_rows: list[int]) -> AttnMetadata:
         """Attention metadata of `num_rows[s]` rows per sequence from position `first_pos[s]`."""
