@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cohorts", default=",".join(COHORTS))
     p.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="first seed")
     p.add_argument("--workers", type=int, default=0, help="processes; 0: one per CPU")
     p.add_argument("--floor-only", action="store_true", help="exit status ignores crossovers")
     p.add_argument("--json", help="write every point here")
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     base = load_profile(args.profile, args.profile_key)
     cohorts = tuple(v for v in args.cohorts.split(",") if v)
     concurrency = tuple(int(v) for v in args.concurrency.split(",") if v)
-    cfg = CheckConfig(seeds=args.seeds)
+    cfg = CheckConfig(seeds=args.seeds, seed=args.seed)
     record = {}
     missed = 0
     for variant in (v for v in args.variants.split(",") if v):
