@@ -372,6 +372,9 @@ def time_engine_overhead(
             engine.scheduler = engine._make_scheduler(spec_mode, None)
             # tokens a request may emit: every measured step can emit a whole draft chain
             max_tokens = (num_steps + 16) * (engine.config.spec_depth if spec_mode == "spec" else 1)
+            max_tokens = min(max_tokens, engine.max_model_len - prompt_len)
+            if max_tokens < num_steps + 4:
+                break  # a context too short to keep requests decoding through the steps
             # as many requests as can wait and decode together in this engine's KV cache
             blocks_each = -(-(prompt_len + max_tokens) // engine.config.block_size) + 1
             c = min(c, engine.scheduler.config.max_queue, engine.num_kv_blocks // blocks_each)
@@ -388,13 +391,17 @@ def time_engine_overhead(
                 engine.step()
             overheads = []
             for _ in range(num_steps):
+                if not engine.has_unfinished():
+                    break  # (speculating requests can run out of tokens first)
                 _sync(engine.device)
                 t0 = time.perf_counter()
                 engine.step()
                 wall_ms = (time.perf_counter() - t0) * 1e3
-                executor_ms = engine.stats().rounds[-1].measured_s * 1e3
-                overheads.append(max(wall_ms - executor_ms, 0.0))
-            out.append([c, round(statistics.median(overheads), 4)])
+                rounds = engine.stats().rounds
+                if rounds:
+                    overheads.append(max(wall_ms - rounds[-1].measured_s * 1e3, 0.0))
+            if overheads:
+                out.append([c, round(statistics.median(overheads), 4)])
             for i in range(c):
                 engine.abort(f"profile-host-{c}-{i}")
             while engine.has_unfinished():
