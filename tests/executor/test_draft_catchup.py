@@ -15,9 +15,9 @@ from executor.drafters.base import DraftRequest
 from executor.drafters.draft_model import DraftModelDrafter
 from executor.loader import load_model
 from executor.model import Model
+from tests.executor.test_drafters import BLOCK_SIZE, draft_kv
 from tests.fixtures.tiny_models import make_tiny_model
 
-BLOCK_SIZE = 4
 MAX_SLOTS = 4
 BLOCKS_PER_SLOT = 24
 MAX_MODEL_LEN = BLOCKS_PER_SLOT * BLOCK_SIZE
@@ -49,19 +49,6 @@ def make_drafter(model: Model, **kwargs) -> DraftModelDrafter:
     table = np.arange(MAX_SLOTS * BLOCKS_PER_SLOT, dtype=np.int32).reshape(-1, MAX_SLOTS).T
     drafter.bind_block_tables(np.ascontiguousarray(table))
     return drafter
-
-
-def slot_kv(drafter: DraftModelDrafter, slot: int, num_positions: int) -> torch.Tensor:
-    """K and V of the slot's first positions: [layers, 2, positions, heads, dim]."""
-    pos = np.arange(num_positions)
-    blocks = torch.from_numpy(drafter.block_tables[slot, pos // BLOCK_SIZE].astype(np.int64))
-    offsets = torch.from_numpy(pos % BLOCK_SIZE)
-    return torch.stack(
-        [
-            torch.stack([k[blocks, offsets], v[blocks, offsets]])
-            for k, v in zip(drafter.kv.k, drafter.kv.v)
-        ]
-    )
 
 
 ROUNDS = st.lists(
@@ -113,7 +100,7 @@ def test_catch_up_passes_equal_one_forward_of_all_rows(draft_model, seed, rounds
     assert np.array_equal(reference.kv_len, passes.kv_len)
     for s in range(MAX_SLOTS):
         n = int(reference.kv_len[s])
-        torch.testing.assert_close(slot_kv(passes, s, n), slot_kv(reference, s, n))
+        torch.testing.assert_close(draft_kv(passes, s, n), draft_kv(reference, s, n))
 
 
 def test_sampled_first_drafts_keep_their_distribution_through_passes(draft_model):

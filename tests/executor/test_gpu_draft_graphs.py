@@ -35,18 +35,28 @@ def _drafter(model, graphs: str) -> DraftModelDrafter:
     return drafter
 
 
-def test_graphed_drafting_equals_eager_drafting():
-    dev = torch.device("cuda")
-    # fp32 weights: both paths run the same kernels, so proposals must agree token for token
-    model = random_model("tiny", device=dev, dtype=torch.float32, max_position=512)
+def _eager_and_graphed(seed: int, num_slots: int, context_lens: tuple[int, int]):
+    """An eager and a graphed drafter on one fp32 tiny model (both paths run the same kernels,
+    so proposals must agree token for token), set up on the same random contexts."""
+    model = random_model("tiny", device=torch.device("cuda"), dtype=torch.float32, max_position=512)
     eager, graphed = _drafter(model, "off"), _drafter(model, "lazy")
-    assert eager.graphs is None and graphed.graphs is not None
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
-    contexts = {s: rng.integers(0, vocab, int(rng.integers(5, 40))).tolist() for s in range(6)}
+    contexts = {
+        s: rng.integers(0, vocab, int(rng.integers(*context_lens))).tolist()
+        for s in range(num_slots)
+    }
     for d in (eager, graphed):
         for slot, ctx in contexts.items():
             d.setup(slot, ctx)
+    return eager, graphed, rng, contexts
+
+
+def test_graphed_drafting_equals_eager_drafting():
+    dev = torch.device("cuda")
+    eager, graphed, rng, contexts = _eager_and_graphed(0, 6, (5, 40))
+    vocab = graphed.model.config.vocab_size
+    assert eager.graphs is None and graphed.graphs is not None
     num_draft = 5
     for round_idx in range(6):
         slots = sorted(contexts)[: 2 + round_idx % 5]  # batch sizes 2..6
@@ -93,15 +103,9 @@ def test_graphed_catch_up_passes_equal_eager_drafting():
     passes of four rows): graphed drafting proposes what eager drafting does and leaves the
     same draft KV."""
     dev = torch.device("cuda")
-    model = random_model("tiny", device=dev, dtype=torch.float32, max_position=512)
-    eager, graphed = _drafter(model, "off"), _drafter(model, "lazy")
+    eager, graphed, rng, contexts = _eager_and_graphed(1, 5, (3, 30))
+    vocab = graphed.model.config.vocab_size
     assert eager.catchup_rows_per_pass is None and graphed.catchup_rows_per_pass == 4
-    rng = np.random.default_rng(1)
-    vocab = model.config.vocab_size
-    contexts = {s: rng.integers(0, vocab, int(rng.integers(3, 30))).tolist() for s in range(5)}
-    for d in (eager, graphed):
-        for slot, ctx in contexts.items():
-            d.setup(slot, ctx)
     for round_idx in range(8):
         for s in contexts:  # AR rounds before this one: 0 .. 9 tokens the drafter missed
             for _ in range(int(rng.integers(0, 10)) if round_idx % 3 == 1 else 0):

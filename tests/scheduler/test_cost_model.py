@@ -176,6 +176,34 @@ def test_rounds_ahead_scale_only_ar_decode_rounds(rows, kv, depth, prefill):
     assert float(ahead.round_ms(*args)) == pytest.approx(want, rel=1e-9)
 
 
+def _two_requests_on_the_simulator(profile: ProfileCost, cm: CostModel, spec_mode, max_tokens):
+    """A 2-slot scheduler (the given mode, a drafter) with two 20-token requests waiting, and a
+    noiseless simulated executor on the code cohort."""
+    from scheduler.plan import SamplingSpec
+    from scheduler.request import RequestSpec
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from scheduler.sim.executor import SimExecutor
+    from tests.scheduler.test_lifecycle_invariants import COHORTS
+
+    cfg = SchedulerConfig(
+        max_concurrency=2,
+        spec_mode=spec_mode,
+        block_size=4,
+        max_prefill_tokens=64,
+        has_drafter=True,
+    )
+    sched = Scheduler(cfg, num_kv_blocks=128, cost_model=cm)
+    for i in range(2):
+        spec = RequestSpec(
+            req_id=i,
+            prompt_token_ids=tuple(range(10, 30)),
+            sampling=SamplingSpec(),
+            max_tokens=max_tokens,
+        )
+        sched.add_request(spec)
+    return sched, SimExecutor(profile, COHORTS["code"], 2, seed=0, noise_sigma=0.0)
+
+
 @pytest.mark.parametrize("overlapped", [True, False])
 def test_calibration_compares_ar_rounds_with_their_own_price(overlapped):
     """An AR round that ran ahead costs its period (the profile's ahead ratio); one that did not
@@ -186,29 +214,12 @@ def test_calibration_compares_ar_rounds_with_their_own_price(overlapped):
 
     import msgspec
 
-    from scheduler.plan import SamplingSpec
-    from scheduler.request import RequestSpec
-    from scheduler.scheduler import Scheduler, SchedulerConfig
-    from scheduler.sim.executor import SimExecutor
-    from tests.scheduler.test_lifecycle_invariants import COHORTS
-
     path = Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json"
     raw = json.loads(path.read_text())
     raw["target"]["ar_ahead_ratio"] = [[1, 0.8], [512, 0.8]]
     profile = ProfileCost(raw)
     cm = CostModel(profile)
-    cfg = SchedulerConfig(max_concurrency=2, spec_mode="ar", block_size=4, max_prefill_tokens=64)
-    sched = Scheduler(cfg, num_kv_blocks=64, cost_model=cm)
-    ex = SimExecutor(profile, COHORTS["code"], 2, seed=0, noise_sigma=0.0)
-    for i in range(2):
-        sched.add_request(
-            RequestSpec(
-                req_id=i,
-                prompt_token_ids=tuple(range(10, 30)),
-                sampling=SamplingSpec(),
-                max_tokens=30,
-            )
-        )
+    sched, ex = _two_requests_on_the_simulator(profile, cm, "ar", max_tokens=30)
     num_ar = 0
     while sched.has_work():
         plan = sched.plan(0.0)
@@ -281,28 +292,10 @@ def test_calibration_leaves_the_engines_host_time_out():
     """The simulated executor reports its own time (the engine's host time is the runner's):
     measured at exactly the profile's price, the speculating correction stays 1, while the
     simulated clock advances by the whole period."""
-    from scheduler.plan import SamplingSpec
-    from scheduler.request import RequestSpec
-    from scheduler.scheduler import Scheduler, SchedulerConfig
-    from scheduler.sim.executor import SimExecutor
-    from tests.scheduler.test_lifecycle_invariants import COHORTS
 
     profile = _profile_with_spec_host([[1, 2.0], [8, 4.0]])
     cm = CostModel(profile)
-    cfg = SchedulerConfig(
-        max_concurrency=2, spec_mode="spec", block_size=4, max_prefill_tokens=64, has_drafter=True
-    )
-    sched = Scheduler(cfg, num_kv_blocks=128, cost_model=cm)
-    ex = SimExecutor(profile, COHORTS["code"], 2, seed=0, noise_sigma=0.0)
-    for i in range(2):
-        sched.add_request(
-            RequestSpec(
-                req_id=i,
-                prompt_token_ids=tuple(range(10, 30)),
-                sampling=SamplingSpec(),
-                max_tokens=60,
-            )
-        )
+    sched, ex = _two_requests_on_the_simulator(profile, cm, "spec", max_tokens=60)
     num_spec_rounds = 0
     while sched.has_work():
         plan = sched.plan(0.0)
