@@ -13,27 +13,14 @@ from hypothesis import strategies as st
 
 from executor.drafters.base import DraftRequest
 from executor.drafters.draft_model import DraftModelDrafter
-from executor.loader import load_model
 from executor.model import Model
 from tests.executor.test_drafters import BLOCK_SIZE, draft_kv
-from tests.fixtures.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MAX_SLOTS = 4
 BLOCKS_PER_SLOT = 24
 MAX_MODEL_LEN = BLOCKS_PER_SLOT * BLOCK_SIZE
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def draft_model(tmp_path_factory) -> Model:
-    return load_model(make_tiny_model(tmp_path_factory.mktemp("chain"), "qwen3", seed=2))
 
 
 def make_drafter(model: Model, **kwargs) -> DraftModelDrafter:

@@ -30,17 +30,7 @@ MAX_MODEL_LEN = 160
 MAX_SLOTS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def draft_model(tmp_path_factory) -> Model:
-    return load_model(make_tiny_model(tmp_path_factory.mktemp("draft"), "qwen3", seed=1))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_drafter(model: Model, block_ids_per_slot: dict[int, list[int]], seed: int = 0):
