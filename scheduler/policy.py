@@ -144,13 +144,14 @@ def amortized_catchup_ms(
 
 
 def full_catchup_ms(view: DecodeView, cost_model: CostModel) -> np.ndarray:
-    """[n] ms each request's lag adds to a drafter step over the batch (0 without lag)."""
+    """[n] ms each request's lag adds to the chain's first step over the batch (0 without
+    lag), as the cost model prices that step (one forward, or passes of a few rows each)."""
     lag = view.drafter_lag
     if not lag.any():
         return np.zeros(len(lag))
-    step = cost_model.profile.draft_step_ms
+    first_step = cost_model.profile.first_step_ms
     rows = np.full(len(lag), len(lag))
-    return step(rows + lag) - step(rows)
+    return first_step(rows, lag) - first_step(rows, np.zeros_like(lag))
 
 
 @dataclass(frozen=True)

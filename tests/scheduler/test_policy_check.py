@@ -127,6 +127,27 @@ def test_catchup_is_spread_over_the_requests_own_spec_rounds():
     )
 
 
+def test_catchup_priced_as_the_cost_model_runs_it():
+    """A drafter that catches up in passes of a few rows per request: the charge follows the
+    cost model's first step, not one forward over all rows."""
+    profile = dict(MEASURED)
+    profile["draft_model"] = {
+        **MEASURED["draft_model"],
+        "catchup_rows_per_pass": 64,
+        "max_catchup_passes": 32,
+    }
+    model = CostModel(ProfileCost(profile))
+    view = _view(lag=1000, remaining=1)  # a horizon of one round: the whole catch-up
+    survival = np.cumprod(np.full((4, 7), 0.8), axis=1)
+    first = model.profile.first_step_ms
+    whole = first(np.array([4.0]), np.array([1000.0])) - first(np.array([4.0]), np.array([0.0]))
+    assert np.allclose(amortized_catchup_ms(view, survival, model), whole)
+    one_forward = MODEL.profile.draft_step_ms(np.array([1004])) - MODEL.profile.draft_step_ms(
+        np.array([4])
+    )
+    assert not np.isclose(whole, one_forward).any()
+
+
 def test_planner_charges_the_catchup_ms_to_first_positions():
     n = 4
     survival = np.cumprod(np.full((n, 7), 0.9), axis=1)
