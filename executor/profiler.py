@@ -349,6 +349,34 @@ def time_draft_steps(
     return out
 
 
+def time_draft_catchup(
+    model: Model, rows: tuple[int, ...], repeats: int, graphs: bool = True
+) -> list[list[float]]:
+    """The draft model catching up `r` context rows of one request from nothing (what its first
+    speculating round after a prefill pays; longer than the graphed passes, so one eager
+    forward), picking one draft: `propose` wall time with a device sync, median of `repeats`
+    after a warm-up call, per row count."""
+    from executor.drafters.base import DraftRequest
+
+    drafter = standalone_drafter(model, 1, max(rows), 2, graphs)
+    g = torch.Generator().manual_seed(1)
+    context = torch.randint(0, model.config.vocab_size, (max(rows),), generator=g).tolist()
+    out = []
+    for n in rows:
+        request = DraftRequest(0, context[:n], 1)
+        times = []
+        for i in range(repeats + 1):
+            drafter.setup(0, request.context)  # nothing drafted yet: all n rows to catch up
+            _sync(model.device)
+            t0 = time.perf_counter()
+            drafter.propose([request], [True])
+            _sync(model.device)
+            if i:
+                times.append((time.perf_counter() - t0) * 1e3)
+        out.append([n, round(statistics.median(times), 4)])
+    return out
+
+
 def time_engine_overhead(
     engine,
     concurrencies: tuple[int, ...],
@@ -560,6 +588,12 @@ def build_profile(
             ),
             "context_len": ref,
             "note": "one chain step; a depth-D chain costs D-1 steps",
+            # catching up a whole prompt (after a prefill): one eager forward of its rows
+            "catchup_rows_ms": time_draft_catchup(
+                draft_model,
+                tuple(r for r in (256, 1024, 2048) if r + 2 <= engine.max_model_len),
+                max(1, repeats // 2),
+            ),
             # a graphed drafter catches up in passes (DraftModelDrafter._step0)
             **(
                 {

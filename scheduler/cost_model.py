@@ -112,6 +112,12 @@ class ProfileCost:
         draft = profile.get("draft_model")
         if draft:
             draft_ms = np.asarray(draft["rows_ms_per_step"], dtype=np.float64)  # [points, 2]
+            # Rows past the chain steps' range only come from catch-ups: one forward of a
+            # prompt's rows, measured as such where the profile has it (`catchup_rows_ms`).
+            catchup = np.asarray(draft.get("catchup_rows_ms") or [], dtype=np.float64)
+            if len(catchup):
+                catchup = catchup[catchup[:, 0] > draft_ms[:, 0].max()]
+                draft_ms = np.concatenate([draft_ms, catchup.reshape(-1, 2)])
             self.draft_rows = draft_ms[:, 0]
             self.draft_ms_points = draft_ms[:, 1]
         else:

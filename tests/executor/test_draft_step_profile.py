@@ -51,3 +51,21 @@ def test_draft_steps_are_timed_with_the_serving_table_width():
         outs.append(d.propose(reqs, [True, True]).tokens)
     assert outs[0] == outs[1]
     assert time_draft_steps(model, (2,), repeats=1, graphs=False, chain=3, table_width=64)
+
+
+def test_catch_up_of_a_whole_prompt_is_timed_as_one_forward_of_its_rows():
+    from executor.profiler import time_draft_catchup
+
+    model = random_model("tiny", device=torch.device("cpu"), dtype=torch.float32)
+    rows_seen = []
+    forward = model.forward
+
+    def counted(ids, meta, k, v):
+        rows_seen.append(len(ids))
+        return forward(ids, meta, k, v)
+
+    model.forward = counted
+    out = time_draft_catchup(model, (8, 32), repeats=2, graphs=False)
+    assert [n for n, _ in out] == [8, 32] and all(ms > 0 for _, ms in out)
+    # per call one forward of every context row (one draft: no chain step)
+    assert rows_seen == [8] * 3 + [32] * 3

@@ -350,3 +350,21 @@ def test_catch_up_passes_price_alike_on_every_path(rows, kv, depth, num_spec, la
         rows, kv, np.array([0]), np.array([depth]), np.array([num_spec]), np.array([lag]), 0
     )
     assert grid[0] == pytest.approx(model.predict_ms_scalar(rows, kv, depth, num_spec, lag))
+
+
+def test_catch_ups_past_the_step_curve_use_the_measured_prompt_catch_up():
+    import json
+    from pathlib import Path
+
+    raw = json.loads(
+        (Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json").read_text()
+    )
+    steps = raw["draft_model"]["rows_ms_per_step"]
+    raw["draft_model"]["catchup_rows_ms"] = [[128, 99.0], [1024, 14.0], [2048, 20.0]]
+    prof = ProfileCost(raw)
+    # the chain steps keep their own points (a catch-up point inside their range is ignored)
+    for rows, ms in steps:
+        assert float(prof.draft_step_ms(rows)) == pytest.approx(ms)
+    assert float(prof.draft_step_ms(1024)) == pytest.approx(14.0)
+    assert float(prof.draft_step_ms(1536)) == pytest.approx(17.0)
+    assert float(prof.first_step_ms(1, 1023)) == pytest.approx(14.0)
