@@ -358,6 +358,8 @@ def time_draft_catchup(
     after a warm-up call, per row count."""
     from executor.drafters.base import DraftRequest
 
+    if not rows:
+        return []
     drafter = standalone_drafter(model, 1, max(rows), 2, graphs)
     g = torch.Generator().manual_seed(1)
     context = torch.randint(0, model.config.vocab_size, (max(rows),), generator=g).tolist()

@@ -69,3 +69,4 @@ def test_catch_up_of_a_whole_prompt_is_timed_as_one_forward_of_its_rows():
     assert [n for n, _ in out] == [8, 32] and all(ms > 0 for _, ms in out)
     # per call one forward of every context row (one draft: no chain step)
     assert rows_seen == [8] * 3 + [32] * 3
+    assert time_draft_catchup(model, (), repeats=1, graphs=False) == []  # a short context
