@@ -76,7 +76,7 @@ def test_unseen_shapes_keep_the_profile_and_get_reprobed():
     # the hiccup has aged out: the 512-row shape is back near its profile, so it is tried again
     later = model.predict_ms_scalar(512, 0, 7, 64)
     raw_512 = model.raw_ms_scalar(512, 0, 7, 64)
-    assert first > 1.3 * raw_512
+    assert first > 1.15 * raw_512
     assert later == pytest.approx(raw_512, rel=0.05)
     assert model.confidence(512, True) < 0.1 * CALIB_PRIOR_COUNT
 
@@ -368,3 +368,19 @@ def test_catch_ups_past_the_step_curve_use_the_measured_prompt_catch_up():
     assert float(prof.draft_step_ms(1024)) == pytest.approx(14.0)
     assert float(prof.draft_step_ms(1536)) == pytest.approx(17.0)
     assert float(prof.first_step_ms(1, 1023)) == pytest.approx(14.0)
+
+
+def test_timing_noise_does_not_spread_the_speculating_buckets_apart():
+    """Many speculating shapes, each measured a few times with 10% noise around the profile's
+    price: their corrections stay within a few per cent of each other, so the planner's pick
+    among them is not won by the luckiest measurement."""
+    model = CostModel(PROFILE)
+    rng = np.random.default_rng(3)
+    rows = [16, 24, 32, 48, 64, 80, 96, 112, 128, 160]
+    for _ in range(300):
+        n = int(rng.choice(rows))
+        raw = model.raw_ms_scalar(n, 4000, 3, 8)
+        model.observe(n, True, raw, raw * float(np.exp(rng.normal(0, 0.1))))
+    corr = [float(model.correction(n, True)) for n in rows]
+    assert max(corr) / min(corr) < 1.06
+    assert all(abs(c - 1) < 0.05 for c in corr)
