@@ -49,7 +49,8 @@ import numpy as np
 #   speculating shapes, each in its own bucket, so a bucket whose few noisy measurements came out
 #   fast wins the pick (the optimiser's curse): with 3, the engine on a CPU with the H200
 #   profile's prices as its measured times speculated on 18.5% of prose request-rounds at C = 8
-#   under 5% timing noise (20.7% under 10%), against 0.4% with 30 and in the simulator. With 30
+#   under 5% timing noise, against 0.4% with 30 and in the simulator
+#   (`python -m loadtests.policy_replay --profile docs/perf/gpu.json --noise 0.05`). With 30
 #   a bucket run every round is still trusted 87% (its decayed count settles near 200).
 # - CALIB_DECAY: per-round confidence decay of every bucket; 0.995 halves confidence after ~140
 #   rounds without running it (a few seconds of serving), then the shape is re-probed.

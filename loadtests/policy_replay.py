@@ -1,0 +1,197 @@
+"""Does the engine decide like the simulator? The real `Engine` (scheduler, policy, executor,
+on a CPU with a tiny random model) runs the GPU benchmark's refill workload with the
+`synthetic` drafter, but every round's measured time is replaced by what a cost profile prices
+it at (times lognormal noise): the policy then sees the device the profile describes. The same
+workload runs through the simulator with the same profile; the share of decoding
+request-rounds that speculate is compared.
+
+    python -m loadtests.policy_replay --profile docs/perf/gpu.json --cohort prose --concurrency 8
+        [--noise 0.05] [--prompt-len 512] [--seeds 2]
+
+A profile is a profile JSON or a benchmark record holding one under "profile". Where the two
+shares differ, the engine's own logic (decision ahead, calibration on measured times, the rate
+bar) leads it elsewhere than the simulator's model of it; with `--noise` the effect of timing
+noise on those decisions shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_profile(path: str | Path) -> dict:
+    """A profile JSON, or the "profile" of a benchmark record."""
+    data = json.loads(Path(path).read_text())
+    return data.get("profile", data) if "target" not in data else data
+
+
+def priced_finish(engine, profile, noise: float, rng: random.Random):
+    """Wraps `engine.executor.finish` so that each round reports the profile's price of its
+    plan (the executor's part: without the engine's host time around a speculating round)
+    times exp(N(0, noise)) as its measured time."""
+    import msgspec
+
+    finish = engine.executor.finish
+
+    def run(launched):
+        result = finish(launched)
+        plan = launched.plan
+        num_spec = int((plan.decode.num_draft > 0).sum())
+        depth = plan.spec_depth - 1 if num_spec else 0
+        prefill_rows = sum(q.num_new for q in plan.prefills)
+        ms = profile.round_ms_scalar(
+            plan.num_rows, plan.num_kv_tokens, depth, num_spec, 0, prefill_rows
+        )
+        if depth:
+            ms -= profile.round_spec_host_ms(plan.num_rows, prefill_rows, num_spec, depth)
+        ms *= math.exp(rng.gauss(0.0, noise)) if noise > 0 else 1.0
+        timings = msgspec.structs.replace(result.timings, total_ms=ms)
+        return msgspec.structs.replace(result, timings=timings)
+
+    return run
+
+
+def spec_share(routes) -> float:
+    """Speculating share of the decoding request-rounds (route letters S and A)."""
+    routes = list(routes)
+    num_s = sum(r.count("S") for r in routes)
+    num_a = sum(r.count("A") for r in routes)
+    return num_s / max(num_s + num_a, 1)
+
+
+def replay(
+    profile_path: str,
+    cohort: str,
+    concurrency: int,
+    *,
+    noise: float = 0.0,
+    prompt_len: int = 512,
+    max_tokens: int = 128,
+    seeds: int = 2,
+    acceptance: str | None = None,
+) -> dict:
+    """Engine and simulator on the same workload and profile -> their speculating shares."""
+    from executor.drafters.synthetic import SyntheticDrafter
+    from hipfire_serve.config import EngineConfig
+    from hipfire_serve.engine import Engine
+    from hipfire_serve.types import SamplingParams
+    from loadtests.gpu_bench import BenchConfig
+    from loadtests.gpu_bench_measure import _sim_task
+    from loadtests.gpu_bench_runs import drive_refill, install, make_prompts, sim_workload
+    from scheduler.cost_model import ProfileCost
+
+    profile = load_profile(profile_path)
+    cfg = dataclasses.replace(
+        BenchConfig(),
+        model="random:tiny",
+        device="cpu",
+        dtype="float32",
+        concurrency=(concurrency,),
+        prompt_len=prompt_len,
+        max_tokens=max_tokens,
+        **({"acceptance": acceptance} if acceptance else {}),
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "profile.json")
+        Path(path).write_text(json.dumps(profile))
+        engine = Engine(
+            EngineConfig(
+                model=cfg.model,
+                draft="synthetic",
+                allow_synthetic_draft=True,
+                acceptance_profile=f"{cfg.acceptance}:{cohort}",
+                spec_mode="adaptive",
+                spec_depth=cfg.spec_depth,
+                max_concurrency=concurrency,
+                max_queue=cfg.num_requests(concurrency) + 1,
+                max_model_len=prompt_len * 2 + max_tokens + cfg.spec_depth + 16,
+                kv_cache_memory="1GiB",
+                max_prefill_tokens=cfg.max_prefill_tokens,
+                device="cpu",
+                dtype="float32",
+                seed=cfg.seed,
+                cost_profile=path,
+            )
+        )
+        engine.executor.finish = priced_finish(
+            engine, ProfileCost(profile), noise, random.Random(cfg.seed)
+        )
+        install(
+            engine,
+            cfg,
+            concurrency,
+            "adaptive",
+            path,
+            SyntheticDrafter(cfg.acceptance, cohort, cfg.seed),
+        )
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        prompts = make_prompts(cfg, concurrency, engine.target.config.vocab_size)
+        steps, _, num_failed = drive_refill(engine, prompts, concurrency, params)
+        workload = dataclasses.asdict(sim_workload(cfg, concurrency))
+        sims = [
+            _sim_task(
+                (
+                    path,
+                    cfg.acceptance,
+                    cohort,
+                    "adaptive",
+                    concurrency,
+                    workload,
+                    cfg.spec_depth,
+                    cfg.max_prefill_tokens,
+                    cfg.seed + s,
+                )
+            )
+            for s in range(seeds)
+        ]
+    sim_shares = []
+    for sim in sims:
+        mix = sim["route_mix"]
+        sim_shares.append(mix.get("S", 0.0) / max(mix.get("S", 0.0) + mix.get("A", 0.0), 1e-12))
+    return {
+        "cohort": cohort,
+        "concurrency": concurrency,
+        "noise": noise,
+        "engine_spec_share": round(spec_share(s.route for s in steps), 4),
+        "sim_spec_shares": [round(x, 4) for x in sim_shares],
+        "num_failed": num_failed,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--profile", required=True, help="profile JSON or benchmark record")
+    ap.add_argument("--cohort", default="prose")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--noise", type=float, default=0.0, help="sigma of lognormal time noise")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--seeds", type=int, default=2, help="simulator runs")
+    args = ap.parse_args(argv)
+    if not Path(args.profile).is_file():
+        print(f"policy_replay: no such profile: {args.profile}", file=sys.stderr)
+        return 2
+    out = replay(
+        args.profile,
+        args.cohort,
+        args.concurrency,
+        noise=args.noise,
+        prompt_len=args.prompt_len,
+        max_tokens=args.max_tokens,
+        seeds=args.seeds,
+    )
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
