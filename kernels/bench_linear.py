@@ -462,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     record = {
         "device": props.name,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model": args.model,
         "num_sms": num_sms,
         "torch": torch.__version__,
@@ -476,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1))
     lines = [
-        f"# Linear layers of {args.model} at decode sizes, {props.name}",
+        f"# Linear layers of {args.model} at decode sizes, {props.name}, {record['date']}",
         f"Copy bandwidth {copy_bw:.2f} TB/s; weights bf16; times are medians of CUDA-graph "
         "replays (us per call).",
         "",
