@@ -165,6 +165,29 @@ class PlanBasis:
     rate_bar: float
 
 
+def plan_in_basis(
+    survival: np.ndarray,  # [n, D]
+    key: np.ndarray,  # [n, D] ranking key
+    view: DecodeView,
+    catchup_ms: np.ndarray,  # [n]
+    cost_model: CostModel,
+    basis: PlanBasis,
+):
+    """plan_depths over the view's requests, priced in `basis`."""
+    return plan_depths(
+        survival,
+        key,
+        view.weights,
+        catchup_ms,
+        cost_model,
+        basis.base_rows,
+        basis.base_kv_tokens,
+        basis.base_tokens,
+        basis.num_prefill_rows,
+        basis.rate_bar,
+    )
+
+
 def decode_basis(
     view: DecodeView, cost_model: CostModel, caught_up_share: float = 1.0
 ) -> PlanBasis:
@@ -315,18 +338,7 @@ class AdaptivePolicy:
         catchup_ms = amortized_catchup_ms(view, survival, cost_model)
         if catchup_ms.any():
             entry_key(key, value, catchup_ms, basis, cost_model)
-        choice = plan_depths(
-            value,
-            key,
-            view.weights,
-            catchup_ms,
-            cost_model,
-            basis.base_rows,
-            basis.base_kv_tokens,
-            basis.base_tokens,
-            basis.num_prefill_rows,
-            basis.rate_bar,
-        )
+        choice = plan_in_basis(value, key, view, catchup_ms, cost_model, basis)
         num_draft = choice.num_draft
         probe = ""
         if not num_draft.any() and needs_probe and may_probe.any():
@@ -362,18 +374,7 @@ class AdaptivePolicy:
         top = estimator.survival_matrix()[-1, : view.max_drafts]  # [D]
         best = usable_survival(view, np.broadcast_to(top, (len(view.req_ids), len(top))))
         key = np.where(best > 0, best, -1.0)
-        choice = plan_depths(
-            best,
-            key,
-            view.weights,
-            catchup_ms,
-            cost_model,
-            basis.base_rows,
-            basis.base_kv_tokens,
-            basis.base_tokens,
-            basis.num_prefill_rows,
-            basis.rate_bar,
-        )
+        choice = plan_in_basis(best, key, view, catchup_ms, cost_model, basis)
         return bool(choice.num_draft.any())
 
     @staticmethod

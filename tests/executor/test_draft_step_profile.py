@@ -8,16 +8,22 @@ from executor.profiler import time_draft_steps
 from executor.random_model import random_model
 
 
-def test_draft_step_times_the_drafters_proposals():
+def _model_counting_rows():
+    """A tiny CPU model whose forwards append their row count to the returned list."""
     model = random_model("tiny", device=torch.device("cpu"), dtype=torch.float32)
-    calls = []
+    rows_seen = []
     forward = model.forward
 
     def counted(ids, meta, k, v):
-        calls.append(len(ids))
+        rows_seen.append(len(ids))
         return forward(ids, meta, k, v)
 
     model.forward = counted
+    return model, rows_seen
+
+
+def test_draft_step_times_the_drafters_proposals():
+    model, calls = _model_counting_rows()
     out = time_draft_steps(model, (1, 3), repeats=2, graphs=False, chain=4)
     assert [n for n, _ in out] == [1, 3]
     assert all(ms > 0 for _, ms in out)
@@ -56,15 +62,7 @@ def test_draft_steps_are_timed_with_the_serving_table_width():
 def test_catch_up_of_a_whole_prompt_is_timed_as_one_forward_of_its_rows():
     from executor.profiler import time_draft_catchup
 
-    model = random_model("tiny", device=torch.device("cpu"), dtype=torch.float32)
-    rows_seen = []
-    forward = model.forward
-
-    def counted(ids, meta, k, v):
-        rows_seen.append(len(ids))
-        return forward(ids, meta, k, v)
-
-    model.forward = counted
+    model, rows_seen = _model_counting_rows()
     out = time_draft_catchup(model, (8, 32), repeats=2, graphs=False)
     assert [n for n, _ in out] == [8, 32] and all(ms > 0 for _, ms in out)
     # per call one forward of every context row (one draft: no chain step)
