@@ -349,6 +349,33 @@ def time_draft_steps(
     return out
 
 
+def time_host_drafter(
+    drafter, rows: tuple[int, ...], repeats: int, context_len: int, vocab: int, depth: int = 8
+) -> list[list[float]]:
+    """A drafter without a model (prompt lookup) on the host: `propose` for `n` requests of
+    `context_len` random tokens drafting `depth - 1` each, wall ms, median of `repeats` after a
+    warm-up call, per request count. Its time is the host's, inside every speculating round."""
+    from executor.drafters.base import DraftRequest
+
+    g = torch.Generator().manual_seed(2)
+    contexts = torch.randint(0, vocab, (max(rows, default=1), context_len), generator=g).tolist()
+    out = []
+    for n in rows:
+        requests = [DraftRequest(slot, contexts[slot], depth - 1) for slot in range(n)]
+        for r in requests:
+            drafter.setup(r.slot, r.context)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            drafter.propose(requests, [True] * n)
+            if i:
+                times.append((time.perf_counter() - t0) * 1e3)
+        for r in requests:
+            drafter.release(r.slot)
+        out.append([n, round(statistics.median(times), 4)])
+    return out
+
+
 def time_draft_catchup(
     model: Model, rows: tuple[int, ...], repeats: int, graphs: bool = True
 ) -> list[list[float]]:
@@ -377,6 +404,16 @@ def time_draft_catchup(
                 times.append((time.perf_counter() - t0) * 1e3)
         out.append([n, round(statistics.median(times), 4)])
     return out
+
+
+def host_drafter_profile(drafter, rows, repeats: int, context_len: int, vocab: int) -> dict:
+    """The profile's `drafter_host` section: a model-free drafter's proposal time by requests."""
+    return {
+        "name": drafter.name,
+        "propose_ms": time_host_drafter(drafter, rows, repeats, context_len, vocab),
+        "context_len": context_len,
+        "note": "one proposal of depth - 1 drafts per request, on the host",
+    }
 
 
 def time_engine_overhead(
@@ -574,7 +611,13 @@ def build_profile(
     }
     draft_model = getattr(engine.drafter, "model", None)
     # (a synthetic drafter runs its inner drafter for the cost)
-    passes = getattr(getattr(engine.drafter, "inner", engine.drafter), "catchup_rows_per_pass", 0)
+    inner = getattr(engine.drafter, "inner", engine.drafter)
+    passes = getattr(inner, "catchup_rows_per_pass", 0)
+    if inner is not None and draft_model is None and hasattr(inner, "propose"):
+        # a drafter without a model costs host time in every speculating round
+        profile["drafter_host"] = host_drafter_profile(
+            type(inner)(), tuple(r for r in rows if r <= ex.max_slots), repeats, ref, cfg.vocab_size
+        )
     if draft_model is not None:
         draft_rows = tuple(r for r in rows if r <= ex.max_slots)
         profile["draft_model"] = {

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 # -- measurements -------------------------------------------------------------------------
 def measure_profile(engine, cfg: BenchConfig, tmp: Path) -> tuple[dict, dict[str, str]]:
     """The cost profile of this engine and, per cost drafter, a profile file for the cost model
-    (a drafter without a model costs no device time in the cost model)."""
+    (a drafter without a model costs no device time in the cost model; prompt lookup costs its
+    measured host time, `drafter_host`)."""
     from executor.profiler import build_profile
 
     profile = build_profile(engine, cfg.profile_rows, cfg.profile_kv_lens, cfg.profile_repeats)
@@ -32,6 +33,17 @@ def measure_profile(engine, cfg: BenchConfig, tmp: Path) -> tuple[dict, dict[str
         p = dict(profile)
         if drafter != cfg.model_drafter:
             p.pop("draft_model", None)
+        if drafter == "ngram":  # prompt lookup: host time in every speculating round
+            from executor.drafters.ngram import NgramDrafter
+            from executor.profiler import host_drafter_profile
+
+            p["drafter_host"] = host_drafter_profile(
+                NgramDrafter(),
+                tuple(c for c in cfg.concurrency),
+                cfg.profile_repeats,
+                profile["target"].get("ref_kv_len") or cfg.prompt_len,
+                engine.target.config.vocab_size,
+            )
         paths[drafter] = str(tmp / f"profile-{i}.json")
         Path(paths[drafter]).write_text(json.dumps(p))
     paths[ANY] = paths[cfg.drafters[0]]

@@ -8,6 +8,7 @@ Predicted round time (ms), following the profile's own description:
         a drafter that takes catch-ups in passes of `catchup_rows_per_pass` rows per request
         (draft_model, graphed) pays one step per pass for the first one (first_step_ms)
       + drafter prefill over the round's prefill rows (when the drafter follows prefills)
+      + a model-free drafter's proposal time on the host over num_spec requests (`drafter_host`)
 
 An AR-only decode round (no drafts, no prefill chunk) runs ahead in the engine: the host's work
 between rounds hides behind the device's, so its cost is scaled by the profile's
@@ -132,6 +133,11 @@ class ProfileCost:
         # catch-up in passes (absent: one forward of all rows, whatever their number)
         self.catchup_rows_per_pass = int((draft or {}).get("catchup_rows_per_pass") or 0)
         self.max_catchup_passes = int((draft or {}).get("max_catchup_passes") or 1)
+        # a model-free drafter's proposal time on the host (prompt lookup), by speculating requests
+        lookup = (profile.get("drafter_host") or {}).get("propose_ms") or [[1, 0.0]]
+        lookup = np.asarray(lookup, dtype=np.float64)
+        self._propose = np.interp(np.arange(TABLE_ROWS), lookup[:, 0], np.maximum(lookup[:, 1], 0))
+        self._propose_list = self._propose.tolist()
         host = np.asarray(target.get("spec_host_ms_per_round") or [[1, 0.0]], dtype=np.float64)
         # [TABLE_ROWS] by decoding requests, flat outside the measured counts
         self._spec_host = np.interp(np.arange(TABLE_ROWS), host[:, 0], np.maximum(host[:, 1], 0))
@@ -204,6 +210,13 @@ class ProfileCost:
         passes = np.where(passes > self.max_catchup_passes, 1.0, np.maximum(passes, 1.0))
         return passes * self._draft(rows / passes)
 
+    def propose_ms(self, num_spec):
+        """A model-free drafter's proposal for `num_spec` requests (0 for a draft model)."""
+        return self._propose[np.clip(np.asarray(num_spec, dtype=np.int64), 0, TABLE_ROWS - 1)]
+
+    def propose_ms_scalar(self, num_spec: int) -> float:
+        return self._propose_list[min(max(num_spec, 0), TABLE_ROWS - 1)]
+
     def spec_host_ms(self, num_seqs):
         """The engine's host time around a speculating round of `num_seqs` decoding requests."""
         return self._spec_host[np.clip(np.asarray(num_seqs, dtype=np.int64), 0, TABLE_ROWS - 1)]
@@ -243,7 +256,7 @@ class ProfileCost:
         first = self.first_step_ms(num_spec, drafter_lag_rows)
         rest = (np.maximum(draft_depth, 1) - 1) * self._draft(np.maximum(num_spec, 1))
         seqs = np.asarray(num_rows) - num_prefill_rows - num_spec * draft_depth
-        host = self.spec_host_ms(np.maximum(seqs, num_spec))
+        host = self.spec_host_ms(np.maximum(seqs, num_spec)) + self.propose_ms(num_spec)
         t = t + np.where(draft_depth > 0, first + rest + host, 0.0)
         if drafter_prefill and np.any(num_prefill_rows):
             t = t + self._draft(num_prefill_rows)
@@ -276,6 +289,7 @@ class ProfileCost:
                 t += self._draft.scalar(num_spec + drafter_lag_rows)
             t += (draft_depth - 1) * self._draft.scalar(max(num_spec, 1))
             t += self.round_spec_host_ms(num_rows, num_prefill_rows, num_spec, draft_depth)
+            t += self._propose_list[min(num_spec, TABLE_ROWS - 1)]
         if drafter_prefill and num_prefill_rows:
             t += self._draft.scalar(num_prefill_rows)
         return t
@@ -391,7 +405,7 @@ class CostModel:
         lag_rows = np.asarray(lag_rows)
         step = p.draft_step_ms(np.arange(int(num_spec.max()) + 1))  # [K] one chain step
         first = p.first_step_ms(num_spec, lag_rows) if lag_rows.any() else step[num_spec]
-        draft = first + (depth - 1) * step[np.maximum(num_spec, 1)]
+        draft = first + (depth - 1) * step[np.maximum(num_spec, 1)] + p.propose_ms(num_spec)
         return corr[extra_rows] * (fixed[extra_rows] + draft)
 
     def spec_row_terms(

@@ -83,7 +83,8 @@ def plan_depths(
     )  # [P + 1] each, by draft rows taken
     draft_step = cost_model.profile.draft_step_ms
     step = draft_step(np.arange(int(num_spec[-1]) + 1))  # [K] one chain step over k rows
-    first_step = step[num_spec] + catchup  # [P]
+    # (plus a model-free drafter's host time over the speculating requests)
+    first_step = step[num_spec] + catchup + cost_model.profile.propose_ms(num_spec)  # [P]
     later_step = step[np.maximum(num_spec, 1)]  # [P]
     # A prefix must contain every forced position (they rank first, all at depth 1, so they
     # lead every cap's list too).

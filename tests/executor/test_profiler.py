@@ -67,6 +67,10 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
     # AR rounds run ahead: their period against the round alone, per AR row count (<= slots)
     assert [r for r, _ in t["ar_ahead_ratio"]] == [1, 2]
     assert all(0 < ratio <= 1 for _, ratio in t["ar_ahead_ratio"])
+    # prompt lookup has no model: its proposal time on the host, by speculating requests
+    lookup = prof["drafter_host"]
+    assert lookup["name"] == "ngram" and [n for n, _ in lookup["propose_ms"]] == [1, 2]
+    assert all(ms > 0 for _, ms in lookup["propose_ms"])
     # speculating rounds cannot run ahead: the engine's host time around them, by requests
     spec_host = {int(c): ms for c, ms in t["spec_host_ms_per_round"]}
     assert sorted(spec_host) == [1, 4] and all(ms >= 0 for ms in spec_host.values())

@@ -384,3 +384,52 @@ def test_timing_noise_does_not_spread_the_speculating_buckets_apart():
     corr = [float(model.correction(n, True)) for n in rows]
     assert max(corr) / min(corr) < 1.06
     assert all(abs(c - 1) < 0.05 for c in corr)
+
+
+def test_a_model_free_drafters_host_time_prices_speculating_rounds():
+    import json
+    from pathlib import Path
+
+    raw = json.loads(
+        (Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json").read_text()
+    )
+    raw.pop("draft_model")
+    raw["drafter_host"] = {"name": "ngram", "propose_ms": [[1, 0.1], [64, 2.0]]}
+    lookup = ProfileCost(raw)
+    raw.pop("drafter_host")
+    none = ProfileCost(raw)
+    extra = float(np.interp(8, [1, 64], [0.1, 2.0]))
+    assert lookup.round_ms_scalar(72, 8000, 8, 8) - none.round_ms_scalar(72, 8000, 8, 8) == (
+        pytest.approx(extra)
+    )
+    assert float(lookup.round_ms(72, 8000, 8, 8)) == pytest.approx(
+        lookup.round_ms_scalar(72, 8000, 8, 8)
+    )
+    assert lookup.round_ms_scalar(8, 8000) == none.round_ms_scalar(8, 8000)  # AR: nothing
+    model = CostModel(lookup)
+    grid = model.predict_spec_grid(
+        8, 8000, np.array([64]), np.array([8]), np.array([8]), np.array([0]), 0
+    )
+    assert grid[0] == pytest.approx(model.predict_ms_scalar(72, 8064, 8, 8))
+
+
+def test_the_planner_does_not_speculate_when_the_lookup_costs_more_than_it_gains():
+    import json
+    from pathlib import Path
+
+    from scheduler.depth_planner import plan_depths
+
+    raw = json.loads(
+        (Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json").read_text()
+    )
+    raw.pop("draft_model")
+    choices = {}
+    for name, ms in (("cheap", 0.01), ("dear", 50.0)):
+        raw["drafter_host"] = {"name": "ngram", "propose_ms": [[1, ms], [64, ms]]}
+        model = CostModel(ProfileCost(raw))
+        survival = np.full((4, 7), 0.9)  # [n, D]
+        choice = plan_depths(
+            survival, survival.copy(), np.ones(4), np.zeros(4), model, 4, 4000, 4.0, 0
+        )
+        choices[name] = int(choice.num_draft.sum())
+    assert choices["cheap"] > 0 and choices["dear"] == 0
