@@ -54,6 +54,7 @@ from loadtests.gpu_bench_measure import (
     simulate,
 )
 from loadtests.gpu_bench_runs import build_engine, recover, run_grid, warm_graphs, warm_runs
+from scheduler.sim.runner import RefillBench
 
 PROFILES = Path(__file__).resolve().parents[1] / "scheduler" / "profiles"
 REAL_POLICIES = ("adaptive", "all-ar", "all-spec", "threshold", "goodput", "sticky", "survival")
@@ -63,7 +64,10 @@ RESERVE_FRACTION = 0.08
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(RefillBench):
+    """Everything one benchmark call runs: the refill workload (`RefillBench`: prompt and
+    output lengths, waves, spec depth, prefill budget), models, policies, grid and budget."""
+
     model: str = "random:qwen3-8b"
     drafters: tuple[str, ...] = ("random:qwen3-0.6b", "ngram")  # cost drafters; <= 1 model
     cohorts: tuple[str, ...] = ("code", "prose", "mixed")  # for the first drafter
@@ -71,13 +75,7 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     policies: tuple[str, ...] = ("adaptive", "all-ar", "all-spec")
     sim_policies: tuple[str, ...] = SIM_POLICIES
-    prompt_len: int = 1024
-    max_tokens: int = 128
-    waves: int = 2
-    min_requests: int = 4
     repeats: int = 2
-    spec_depth: int = 8
-    max_prefill_tokens: int = 2048
     profile_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
     profile_kv_lens: tuple[int, ...] = (16, 512, 1024, 2048)
     profile_repeats: int = 6
@@ -107,9 +105,6 @@ class BenchConfig:
         if len(models) > 1:
             raise ValueError(f"one draft model per run, got {', '.join(models)}")
         return models[0] if models else "none"
-
-    def num_requests(self, concurrency: int) -> int:
-        return max(self.waves * concurrency, self.min_requests)
 
 
 QUICK = BenchConfig(

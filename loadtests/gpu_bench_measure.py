@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from loadtests.gpu_bench_report import ANY, AR, mean_mix
-from loadtests.gpu_bench_runs import cost_inner, install, sim_workload
+from loadtests.gpu_bench_runs import cost_inner, install
 
 if TYPE_CHECKING:
     from loadtests.gpu_bench import BenchConfig
@@ -160,7 +160,7 @@ def simulate(cfg: BenchConfig, paths: dict) -> dict[tuple, dict]:
     ]
     tasks = []
     for policy, drafter, cohort, c in keys:
-        workload = dataclasses.asdict(sim_workload(cfg, c))
+        workload = dataclasses.asdict(cfg.workload(c))
         for s in range(cfg.sim_seeds):
             tasks.append(
                 (

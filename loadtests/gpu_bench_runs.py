@@ -137,21 +137,10 @@ def make_prompts(cfg: BenchConfig, concurrency: int, vocab: int) -> list[list[in
     from scheduler.sim.runner import make_requests
 
     lens = [
-        len(s.prompt_token_ids) for _, s in make_requests(sim_workload(cfg, concurrency), cfg.seed)
+        len(s.prompt_token_ids) for _, s in make_requests(cfg.workload(concurrency), cfg.seed)
     ]
     rng = np.random.default_rng([cfg.seed, concurrency])
     return [rng.integers(1, vocab, n).tolist() for n in lens]
-
-
-def sim_workload(cfg: BenchConfig, concurrency: int):
-    from scheduler.sim.runner import Workload
-
-    return Workload(
-        kind="refill",
-        num_requests=cfg.num_requests(concurrency),
-        prompt_len=cfg.prompt_len,
-        max_tokens=cfg.max_tokens,
-    )
 
 
 # -- the engine and its swappable parts -----------------------------------------------------

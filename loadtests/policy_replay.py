@@ -28,12 +28,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_profile(path: str | Path) -> dict:
-    """A profile JSON, or the "profile" of a benchmark record."""
-    data = json.loads(Path(path).read_text())
-    return data.get("profile", data) if "target" not in data else data
-
-
 def priced_finish(engine, profile, noise: float, rng: random.Random):
     """Wraps `engine.executor.finish` so that each round reports the profile's price of its
     plan (the executor's part: without the engine's host time around a speculating round)
@@ -86,8 +80,9 @@ def replay(
     from hipfire_serve.types import SamplingParams
     from loadtests.gpu_bench import BenchConfig
     from loadtests.gpu_bench_measure import _sim_task
-    from loadtests.gpu_bench_runs import drive_refill, install, make_prompts, sim_workload
+    from loadtests.gpu_bench_runs import drive_refill, install, make_prompts
     from scheduler.cost_model import ProfileCost
+    from scheduler.sim.policy_check import load_profile
 
     profile = load_profile(profile_path)
     cfg = dataclasses.replace(
@@ -136,7 +131,7 @@ def replay(
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         prompts = make_prompts(cfg, concurrency, engine.target.config.vocab_size)
         steps, _, num_failed = drive_refill(engine, prompts, concurrency, params)
-        workload = dataclasses.asdict(sim_workload(cfg, concurrency))
+        workload = dataclasses.asdict(cfg.workload(concurrency))
         sims = [
             _sim_task(
                 (

@@ -38,7 +38,7 @@ import numpy as np
 
 from scheduler.cost_model import ProfileCost
 from scheduler.sim.acceptance_model import load_cohorts
-from scheduler.sim.runner import SimSetup, Workload, run_sim
+from scheduler.sim.runner import RefillBench, SimSetup, run_sim
 
 FLOOR = 0.98
 CROSSOVER_GAIN = 1.05
@@ -49,25 +49,11 @@ COHORTS = ("code", "prose", "mixed")
 
 
 @dataclass(frozen=True)
-class CheckConfig:
-    """The benchmark's simulator workload (BenchConfig defaults of loadtests/gpu_bench.py)."""
+class CheckConfig(RefillBench):
+    """The benchmark's refill workload, and the simulator seeds to average over."""
 
-    prompt_len: int = 1024
-    max_tokens: int = 128
-    waves: int = 2
-    min_requests: int = 4
-    spec_depth: int = 8
-    max_prefill_tokens: int = 2048
     seeds: int = 3
     seed: int = 0
-
-    def workload(self, concurrency: int) -> Workload:
-        return Workload(
-            kind="refill",
-            num_requests=max(self.waves * concurrency, self.min_requests),
-            prompt_len=self.prompt_len,
-            max_tokens=self.max_tokens,
-        )
 
 
 def load_profile(path: str | Path, key: str = "profile") -> dict:

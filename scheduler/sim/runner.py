@@ -38,6 +38,31 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class RefillBench:
+    """The GPU benchmark's refill workload (`hipfire-serve bench`), which the simulator checks
+    run as well: C slots, max(waves x C, min_requests) requests, prompts uniform around
+    `prompt_len`, `max_tokens` outputs, at `spec_depth` and `max_prefill_tokens` per round."""
+
+    prompt_len: int = 1024
+    max_tokens: int = 128
+    waves: int = 2
+    min_requests: int = 4
+    spec_depth: int = 8
+    max_prefill_tokens: int = 2048
+
+    def num_requests(self, concurrency: int) -> int:
+        return max(self.waves * concurrency, self.min_requests)
+
+    def workload(self, concurrency: int) -> Workload:
+        return Workload(
+            kind="refill",
+            num_requests=self.num_requests(concurrency),
+            prompt_len=self.prompt_len,
+            max_tokens=self.max_tokens,
+        )
+
+
+@dataclass(frozen=True)
 class SimSetup:
     policy: str
     concurrency: int
