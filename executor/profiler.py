@@ -22,6 +22,7 @@ dtype and executor configuration.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import statistics
@@ -616,7 +617,11 @@ def build_profile(
     if inner is not None and draft_model is None and hasattr(inner, "propose"):
         # a drafter without a model costs host time in every speculating round
         profile["drafter_host"] = host_drafter_profile(
-            type(inner)(), tuple(r for r in rows if r <= ex.max_slots), repeats, ref, cfg.vocab_size
+            copy.deepcopy(inner),  # its configuration, not its slots
+            tuple(r for r in rows if r <= ex.max_slots),
+            repeats,
+            ref,
+            cfg.vocab_size,
         )
     if draft_model is not None:
         draft_rows = tuple(r for r in rows if r <= ex.max_slots)
