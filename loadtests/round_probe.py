@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from executor.drafters.base import DraftRequest
-from executor.drafters.draft_model import DraftModelDrafter
+from executor.drafters.draft_model import DeviceClock, DraftModelDrafter
 from executor.round_executor import RoundExecutor
 from loadtests.compile_log import CompileLog
 from scheduler.kv_blocks import BlockPool
@@ -303,28 +303,21 @@ class StepClock:
 
     def __init__(self, drafter: DraftModelDrafter):
         self.drafter = drafter
-        self.events = drafter.device.type == "cuda"
+        self.clock = DeviceClock(drafter.device)
         self.starts: list = []
         self.ends: list = []
-
-    def _now(self):
-        if not self.events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def __enter__(self) -> StepClock:
         d = self.drafter
         forward, pick = d._forward_logits, d._pick
 
         def timed_forward(*args, **kwargs):
-            self.starts.append(self._now())
+            self.starts.append(self.clock.now())
             return forward(*args, **kwargs)
 
         def timed_pick(*args, **kwargs):
             out = pick(*args, **kwargs)
-            self.ends.append(self._now())
+            self.ends.append(self.clock.now())
             return out
 
         d._forward_logits, d._pick = timed_forward, timed_pick
@@ -333,16 +326,13 @@ class StepClock:
     def __exit__(self, *exc) -> None:
         del self.drafter._forward_logits, self.drafter._pick
 
-    def _ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.events else (b - a) * 1e3
-
     def steps_ms(self) -> list[float]:
         """Per forward: step 0 (each of its passes), then the chain steps."""
-        return [self._ms(a, b) for a, b in zip(self.starts, self.ends)]
+        return [self.clock.ms(a, b) for a, b in zip(self.starts, self.ends)]
 
     def gaps_ms(self) -> list[float]:
         """Device time between one step's pick and the next step's forward (host stalls)."""
-        return [self._ms(a, b) for a, b in zip(self.ends, self.starts[1:])]
+        return [self.clock.ms(a, b) for a, b in zip(self.ends, self.starts[1:])]
 
 
 def make_drafter(model, max_reqs: int, max_context: int, depth: int) -> DraftModelDrafter:

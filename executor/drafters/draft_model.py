@@ -166,7 +166,7 @@ class DraftModelDrafter:
     def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch:
         if self.block_tables is None:
             raise RuntimeError("DraftModelDrafter needs the executor's block table (bind it)")
-        clock = _PhaseClock(self.device)  # start, after step 0, end of the chain
+        clock = DeviceClock(self.device)  # start, after step 0, end of the chain
         num_reqs = len(requests)
         num_drafts = np.array([r.num_draft for r in requests], dtype=np.int64)  # [num_reqs]
         max_draft = int(num_drafts.max(initial=0))
@@ -406,28 +406,30 @@ class DraftModelDrafter:
         draft_tokens[req, j] = tokens
 
 
-class _PhaseClock:
+class DeviceClock:
     """Times consecutive phases of work queued on a device without waiting for it: CUDA events
     on a GPU (read after the proposal's one copy back has synchronised), the host clock on a
     CPU, where the work runs as it is issued."""
 
     def __init__(self, device: torch.device):
         self.events = device.type == "cuda"
-        self.marks = [self._now()]
+        self.marks = [self.now()]
 
-    def _now(self):
+    def now(self):
+        """A mark of the device's timeline at this point of the queued work."""
         if not self.events:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
+    def ms(self, a, b) -> float:
+        """Milliseconds from mark a to mark b (the device must have passed b)."""
+        return a.elapsed_time(b) if self.events else (b - a) * 1e3
+
     def mark(self) -> None:
-        self.marks.append(self._now())
+        self.marks.append(self.now())
 
     def intervals_ms(self) -> list[float]:
-        """Milliseconds between consecutive marks (the device must have passed the last)."""
-        pairs = zip(self.marks, self.marks[1:])
-        if self.events:
-            return [a.elapsed_time(b) for a, b in pairs]
-        return [(b - a) * 1e3 for a, b in pairs]
+        """Milliseconds between consecutive marks."""
+        return [self.ms(a, b) for a, b in zip(self.marks, self.marks[1:])]
