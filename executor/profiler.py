@@ -129,6 +129,29 @@ class _RepeatDrafter:
         pass
 
 
+def random_setups(
+    ex: RoundExecutor, pool: BlockPool, num_seqs: int, kv_len: int, new_tokens: int, seed
+) -> tuple[list[SeqSetup], list]:
+    """Set-ups of `num_seqs` requests (req id = slot) with random contexts of `kv_len` tokens
+    (a generator seeded with `seed`, or a torch.Generator to draw on), and per slot KV blocks
+    for the context and `new_tokens` more, from `pool`. -> (setups, blocks)"""
+    vocab = ex.target.config.vocab_size
+    g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    setups, blocks = [], []
+    for slot in range(num_seqs):
+        context = torch.randint(0, vocab, (kv_len,), generator=g).tolist()
+        blocks.append(pool.allocate(slot, -(-(kv_len + new_tokens) // ex.block_size)))
+        setups.append(
+            SeqSetup(
+                req_id=slot,
+                slot=slot,
+                context_token_ids=tuple(context),
+                sampling=SamplingSpec(),
+            )
+        )
+    return setups, blocks
+
+
 class RoundTimer:
     """Builds synthetic decode rounds (AR rows, or SPEC groups once rows exceed the slots) at a
     given context length and times `RoundExecutor.run` on them."""
@@ -140,25 +163,7 @@ class RoundTimer:
         self.last_phases: dict[str, float] = {}  # median phase times (ms) of the last shape
 
     def _contexts(self, num_seqs: int, kv_len: int, new_tokens: int, seed: int):
-        """Set-ups of `num_seqs` requests (req id = slot) with random contexts of `kv_len`
-        tokens, and per slot KV blocks for the context and `new_tokens` more, from the timer's
-        own pool. -> (setups, blocks)"""
-        vocab = self.ex.target.config.vocab_size
-        bs = self.ex.block_size
-        g = torch.Generator().manual_seed(seed)
-        setups, blocks = [], []
-        for slot in range(num_seqs):
-            context = torch.randint(0, vocab, (kv_len,), generator=g).tolist()
-            blocks.append(self.pool.allocate(slot, -(-(kv_len + new_tokens) // bs)))
-            setups.append(
-                SeqSetup(
-                    req_id=slot,
-                    slot=slot,
-                    context_token_ids=tuple(context),
-                    sampling=SamplingSpec(),
-                )
-            )
-        return setups, blocks
+        return random_setups(self.ex, self.pool, num_seqs, kv_len, new_tokens, seed)
 
     def time_round(
         self, num_rows: int, kv_len: int, repeats: int, rows_per_seq: int | None = None

@@ -41,6 +41,7 @@ import torch
 
 from executor.drafters.base import DraftRequest
 from executor.drafters.draft_model import DeviceClock, DraftModelDrafter
+from executor.profiler import random_setups
 from executor.round_executor import RoundExecutor
 from loadtests.compile_log import CompileLog
 from scheduler.kv_blocks import BlockPool
@@ -157,28 +158,20 @@ class PrefillRounds:
         bs = ex.block_size
         vocab = ex.target.config.vocab_size
         g = torch.Generator().manual_seed(shape.chunk * 7919 + shape.context + shape.num_decode)
-        setups, reqs = [], []
-        for slot in range(shape.num_decode):
-            context = torch.randint(0, vocab, (shape.decode_kv_len,), generator=g).tolist()
-            blocks = self.pool.allocate(slot, -(-(shape.decode_kv_len + 1) // bs))
-            setups.append(
-                SeqSetup(
-                    req_id=slot,
-                    slot=slot,
-                    context_token_ids=tuple(context),
-                    sampling=SamplingSpec(),
-                )
+        setups, decode_blocks = random_setups(
+            ex, self.pool, shape.num_decode, shape.decode_kv_len, 1, g
+        )
+        reqs = [
+            ReqPlan(
+                req_id=slot,
+                slot=slot,
+                mode=Mode.AR,
+                num_computed=shape.decode_kv_len - 1,
+                num_new=1,
+                new_block_ids=blocks,
             )
-            reqs.append(
-                ReqPlan(
-                    req_id=slot,
-                    slot=slot,
-                    mode=Mode.AR,
-                    num_computed=shape.decode_kv_len - 1,
-                    num_new=1,
-                    new_block_ids=blocks,
-                )
-            )
+            for slot, blocks in enumerate(decode_blocks)
+        ]
         slot = shape.num_decode
         prompt_len = shape.context + shape.chunk
         prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
