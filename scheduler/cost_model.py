@@ -217,6 +217,17 @@ class ProfileCost:
     def propose_ms_scalar(self, num_spec: int) -> float:
         return self._propose_list[min(max(num_spec, 0), TABLE_ROWS - 1)]
 
+    def first_step_ms_scalar(self, num_spec: int, lag_rows: int) -> float:
+        """first_step_ms for one shape in plain Python (the planner's hot path)."""
+        rows = num_spec + lag_rows
+        if not (lag_rows and self.catchup_rows_per_pass):
+            return self._draft.scalar(rows)
+        passes = math.ceil(rows / max(num_spec, 1) / self.catchup_rows_per_pass)
+        if passes > self.max_catchup_passes:
+            return self._draft.scalar(rows)
+        passes = max(passes, 1)
+        return passes * self._draft.scalar(int(rows / passes))
+
     def spec_host_ms(self, num_seqs):
         """The engine's host time around a speculating round of `num_seqs` decoding requests."""
         return self._spec_host[np.clip(np.asarray(num_seqs, dtype=np.int64), 0, TABLE_ROWS - 1)]
@@ -283,10 +294,7 @@ class ProfileCost:
         if draft_depth == 0 and not num_prefill_rows:
             t *= self._ahead_ratio.scalar(num_rows)
         if draft_depth > 0:
-            if drafter_lag_rows and self.catchup_rows_per_pass:
-                t += float(self.first_step_ms(num_spec, drafter_lag_rows))
-            else:
-                t += self._draft.scalar(num_spec + drafter_lag_rows)
+            t += self.first_step_ms_scalar(num_spec, drafter_lag_rows)
             t += (draft_depth - 1) * self._draft.scalar(max(num_spec, 1))
             t += self.round_spec_host_ms(num_rows, num_prefill_rows, num_spec, draft_depth)
             t += self._propose_list[min(num_spec, TABLE_ROWS - 1)]
