@@ -141,6 +141,31 @@ RULE_VARIANTS: tuple[tuple[str, dict], ...] = (
         {"max_block_m": 64, "num_stages": 3, "num_stages_split": 3, **_SPLIT512},
     ),
 )
+# `--sweep --variants schedule`: the 128-vector tile (16 rows x GQA 8) under the schedule
+# switches and launch settings the rule variants keep fixed. Probed on an H200 on 2026-11-30
+# (docs/perf/kernels.md): none was faster than the committed launch at any of these shapes.
+_LAZY = {**_VEC128, "lazy_rescale": 1}
+SCHEDULE_VARIANTS: tuple[tuple[str, dict], ...] = (
+    ("128 vec", dict(_VEC128)),
+    ("128 vec 3 st", {**_VEC128, "num_stages_large": 3, "num_stages_large_split": 3}),
+    ("lazy rescale", dict(_LAZY)),
+    ("lazy rescale 3 st", {**_LAZY, "num_stages_large": 3, "num_stages_large_split": 3}),
+    ("q.k pipelined", {**_VEC128, "pipeline_qk": 1}),
+    ("lazy + pipelined", {**_LAZY, "pipeline_qk": 1}),
+    ("lazy, block_n 32", {**_LAZY, "block_n_large": 32}),
+    ("lazy, block_n 128", {**_LAZY, "block_n_large": 128}),
+    ("lazy, 4 warps", {**_LAZY, "num_warps_large": 4}),
+    ("lazy, no register cap", {**_LAZY, "max_regs_large": 0}),
+    ("lazy, 168 regs, 1 per SM", {**_LAZY, "max_regs_large": 168, "programs_per_sm_large": 1}),
+)
+SCHEDULE_SHAPES = (
+    (16, 8192, 16, 8), (64, 8192, 16, 8), (16, 32768, 16, 8), (1, 32768, 16, 8),
+    (16, 8192, 8, 8), (16, 8192, 16, 4),
+)
+SWEEP_SETS = {
+    "rules": (RULE_VARIANTS, RULE_SHAPES),
+    "schedule": (SCHEDULE_VARIANTS, SCHEDULE_SHAPES),
+}
 PICKED = "picked"  # the label of the committed entry's own launch
 BAD_REL_ERR = 1e-2  # bf16 against SDPA: the full grid measured 7.4e-4 to 3.0e-3
 
@@ -580,7 +605,11 @@ def rule_sweep_table(records: list[dict]) -> str:
 
 
 def run_rule_sweep(
-    device: torch.device, out_dir: Path, shapes: list[tuple[int, int, int, int]], record: dict
+    device: torch.device,
+    out_dir: Path,
+    shapes: list[tuple[int, int, int, int]],
+    record: dict,
+    variants=RULE_VARIANTS,
 ) -> int:
     """`--sweep`: compiles every distinct candidate launch in parallel, then times them shape by
     shape; writes sweep.json (after every shape) and sweep.md. Exit status 1 when a candidate
@@ -588,11 +617,11 @@ def run_rule_sweep(
     from kernels import bench_compile  # imports this module: loaded here to avoid a cycle
 
     record["sweep_shapes"] = shapes
-    record["sweep_variants"] = [list(v) for v in RULE_VARIANTS]
+    record["sweep_variants"] = [list(v) for v in variants]
     record["sweep_rep_ms"] = REP_MS
     pairs = []
     for shape in shapes:
-        for cand in rule_candidates(device, shape):
+        for cand in rule_candidates(device, shape, variants):
             if cand["same_as"] is None:
                 pairs.append((cand["changes"], (shape,)))
     record["sweep_compile"] = bench_compile.compile_all(device, [], pairs, small=False)
@@ -600,7 +629,7 @@ def run_rule_sweep(
     pool = KvPool(device, max(batch * ctx for batch, ctx, _, _ in shapes))
     record["sweep"] = []
     for shape in shapes:
-        rec = sweep_rule_shape(pool, shape, record["copy_tbps"])
+        rec = sweep_rule_shape(pool, shape, record["copy_tbps"], variants)
         record["sweep"].append(rec)
         print("sweep", json.dumps(rec), flush=True)
         (out_dir / "sweep.json").write_text(json.dumps(record, indent=1))
@@ -747,6 +776,12 @@ def main(argv: list[str] | None = None) -> int:
         help="time the tile rules' candidate launches and the committed pick (sweep.json/.md)",
     )
     ap.add_argument(
+        "--variants",
+        choices=sorted(SWEEP_SETS),
+        default="rules",
+        help="candidate set of --sweep: the tile rules' (default) or the 128-vector schedules",
+    )
+    ap.add_argument(
         "--shapes",
         default="",
         help="shapes of --sweep as BATCHxCTXxROWSxGQA, comma-separated (default RULE_SHAPES)",
@@ -777,8 +812,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.sweep:
         record["attention_tiles"] = dataclasses.asdict(arch.arch_config(device).attention)
-        shapes = parse_shapes(args.shapes) or list(RULE_SHAPES)
-        return run_rule_sweep(device, args.out, shapes, record)
+        variants, default_shapes = SWEEP_SETS[args.variants]
+        shapes = parse_shapes(args.shapes) or list(default_shapes)
+        return run_rule_sweep(device, args.out, shapes, record, variants)
 
     def save() -> None:  # after every stage, so a run cut short still leaves its numbers
         (args.out / "kernels.json").write_text(json.dumps(record, indent=1))

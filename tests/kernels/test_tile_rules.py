@@ -394,3 +394,16 @@ def test_compile_variants_runs_each_variant_once_and_leaves_the_cache(h200, monk
     assert num == len(reachable) == len(runs) == len(set(runs)) > 1
     assert set(runs) == set(reachable)  # (the sequence-search width is 256 for any count here)
     assert torch.equal(k, k_before) and torch.equal(v, v_before)
+
+
+def test_schedule_sweep_variants_all_match_the_reference(h200, monkeypatch):
+    """`--sweep --variants schedule`: every 128-vector schedule (planned as on an H200) launches
+    and stays exact."""
+    monkeypatch.setattr(bench, "time_ms", lambda fn, rep_ms=bench.REP_MS: (fn(), 0.01)[1])
+    pool = bench.KvPool(h200, 4 * 48, dtype=torch.float32)
+    rec = bench.sweep_rule_shape(pool, (2, 48, 16, 8), 1.0, bench.SCHEDULE_VARIANTS)
+    labels = [c["label"] for c in rec["candidates"]]
+    assert labels == [label for label, _ in bench.SCHEDULE_VARIANTS] + [bench.PICKED]
+    assert bench.rule_sweep_failures([rec]) == []
+    assert {c["launch"]["block_m"] for c in rec["candidates"][:-1]} == {128}
+    assert set(bench.SWEEP_SETS) == {"rules", "schedule"}
