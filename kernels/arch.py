@@ -40,6 +40,7 @@ Families:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -304,3 +305,79 @@ def kernels_available(device: torch.device | str) -> bool:
     except ImportError:
         return False
     return True
+
+
+# Programmatic dependent launch (PDL, sm90+): a kernel launched with it may start while the
+# kernel before it on the stream finishes; it waits (`gdc_wait`) before touching anything an
+# earlier kernel writes or reads, and lets the next one launch (`gdc_launch_dependents`). The
+# kernels of the decode forward take a `USE_PDL` constexpr and the wrappers pass it together
+# with the `launch_pdl` launch keyword (`pdl_options`). HIPFIRE_PDL=0 turns it off; it is read
+# once per process, so every compiled variant has one value of the constexpr and start-up
+# compiles what serving launches. `pdl_forced` changes it inside a process (tests, benchmarks):
+# launches and graph captures made under it keep the value they were made with.
+PDL_ENV = "HIPFIRE_PDL"
+_pdl_override: list[bool | None] = [None]
+
+
+@functools.lru_cache(maxsize=1)
+def _pdl_env_allows() -> bool:
+    return os.environ.get(PDL_ENV, "1") != "0"
+
+
+@functools.lru_cache(maxsize=1)
+def triton_has_pdl() -> bool:
+    """Whether this Triton has the grid dependency control functions and the `launch_pdl`
+    launch option (Triton 3.4 and later); without them PDL stays off."""
+    try:
+        import triton.language as tl
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    has_gdc = all(hasattr(cuda, f) for f in ("gdc_wait", "gdc_launch_dependents"))
+    return has_gdc and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.lru_cache(maxsize=16)
+def _pdl_capable(device_type: str, index: int) -> bool:
+    if device_type != "cuda" or is_interpreter() or is_hip() or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9 and triton_has_pdl()
+
+
+def pdl_capable(device: torch.device) -> bool:
+    """An NVIDIA GPU of compute capability 9 or more, natively (never the interpreter or AMD),
+    with a Triton that can launch with PDL."""
+    index = device.index if device.index is not None else 0
+    if device.type == "cuda" and device.index is None:
+        index = torch.cuda.current_device()
+    return _pdl_capable(device.type, index)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels launched on `device` now use PDL: capable, and neither HIPFIRE_PDL=0
+    nor `pdl_forced(False)` says otherwise."""
+    if device.type != "cuda":
+        return False
+    override = _pdl_override[0]
+    wanted = _pdl_env_allows() if override is None else override
+    return wanted and pdl_capable(device)
+
+
+@contextlib.contextmanager
+def pdl_forced(enabled: bool):
+    """PDL on (where capable) or off for the launches and captures made inside the block."""
+    saved = _pdl_override[0]
+    _pdl_override[0] = enabled
+    try:
+        yield
+    finally:
+        _pdl_override[0] = saved
+
+
+def pdl_options(device: torch.device) -> dict:
+    """The keywords a PDL-aware kernel launch takes: its `USE_PDL` constexpr and, when on, the
+    `launch_pdl` launch option (the two always together)."""
+    if pdl_enabled(device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.arch import arch_config, launch_options, num_compute_units
+from kernels.arch import arch_config, launch_options, num_compute_units, pdl_options
 
 
 @triton.jit
@@ -151,11 +151,15 @@ def _verify_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, SEQS_PAD: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    PIPELINE_QK: tl.constexpr,
+    PIPELINE_QK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if USE_PDL:
+        # q, the lengths and the block table, and the KV just stored come from the kernels
+        # before; every program waits (padding ones too), so this grid ends after that one.
+        tl.extra.cuda.gdc_wait()
 
     # Which sequence owns this tile: count tile starts <= tile_id (sentinel s = num_seqs: padding).
     offs_s = tl.arange(0, SEQS_PAD)
@@ -274,6 +278,11 @@ def _verify_attention_kernel(
                     s, v, acc, m_i, l_i, scale_log2, LAZY_RESCALE, DOT_PRECISION
                 )
 
+            if USE_PDL:
+                # After the last KV load: the next kernel (the o projection streaming its
+                # weights, or the merge) launches only once every program of this grid got
+                # here or exited, so it takes no SM slot from a tile still to be scheduled.
+                tl.extra.cuda.gdc_launch_dependents()
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
             result = acc / l_safe[:, None]  # [BLOCK_M, D_PAD]
             st_mask = m_ok[:, None] & d_mask[None, :]
@@ -297,9 +306,12 @@ def _merge_splits_kernel(
     stride_l_split, stride_l_row,
     stride_o_row, stride_o_head,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the partials are the attention kernel's output
     if row < tl.load(cu_q_lens_ptr + num_seqs):  # rows after the last sequence are zeroed already
         offs_s = tl.arange(0, SPLITS_PAD)
         s_mask = offs_s < num_splits
@@ -319,6 +331,10 @@ def _merge_splits_kernel(
             + head * stride_p_head + offs_d[None, :],
             mask=s_mask[:, None] & d_mask[None, :], other=0.0,
         )  # [SPLITS_PAD, D_PAD]
+        if USE_PDL:
+            # One program per (row, head), all resident at decode sizes: the o projection may
+            # launch once the partials are loaded.
+            tl.extra.cuda.gdc_launch_dependents()
         total = tl.sum(weight, 0)
         merged = tl.sum(part * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
         o_ptrs = out_ptr + row64 * stride_o_row + head * stride_o_head + offs_d
@@ -535,7 +551,7 @@ def merge_splits(
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=splits_pad(num_splits),
-        num_warps=4 if d_pad >= 128 else 2,
+        num_warps=4 if d_pad >= 128 else 2, **pdl_options(out.device),
     )
     return out
 
@@ -639,6 +655,7 @@ def _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, lau
         LAZY_RESCALE=launch.lazy_rescale, PIPELINE_QK=launch.pipeline_qk,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
         **launch_options(q.device, tiles.waves_per_eu, launch.max_regs),
+        **pdl_options(q.device),
     )
     if splits > 1:
         merge_splits(part_out, part_lse, out, cu_q_lens, num_seqs)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.arch import arch_config, launch_options
+from kernels.arch import arch_config, launch_options, pdl_options
 from kernels.norms import head_rms_norm_ref
 from kernels.rope_kv import rope_and_write_kv_ref
 
@@ -109,9 +109,19 @@ def _qk_norm_rope_kv_kernel(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
     HEADS: tl.constexpr, IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
+    if USE_PDL:
+        # Everything below depends on the kernels before: qkv is the previous GEMM's output,
+        # positions and slots may be derived on the device, and the cache slots written here
+        # may still be read by an earlier attention launch. Every program waits, also those
+        # that store nothing, so this grid ends only after the one before it.
+        tl.extra.cuda.gdc_wait()
+        # The grid is a few programs per row, all resident at decode sizes, and its body is
+        # short: the attention kernel may launch now and sit in its own wait.
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.load(slot_ptr + row)
     is_real = slot >= 0
     row_ptr = qkv_ptr + row * stride_qkv_row
@@ -219,6 +229,7 @@ def qk_norm_rope_and_write_kv(
         PASS_PAD=triton.next_power_of_2(max(1, head_dim - rot_dim)),
         HEADS=heads, IS_NEOX=is_neox, QK_NORM=qk_norm,
         num_warps=cfg.row_warps, **launch_options(qkv.device, cfg.waves_per_eu),
+        **pdl_options(qkv.device),
     )
     return q
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.arch import arch_config, launch_options
+from kernels.arch import arch_config, launch_options, pdl_options
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -21,19 +21,26 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, eps, hidden,
     stride_x, stride_res, stride_out, stride_new_res,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # immutable: before the wait
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x and the residual come from the kernels before
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK]
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+    if USE_PDL:
+        # One row per program, all of them resident at once at decode sizes: the next kernel
+        # (a linear layer streaming its weights) may launch as soon as the loads are issued.
+        tl.extra.cuda.gdc_launch_dependents()
+    if HAS_RESIDUAL:
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(new_res_ptr + row * stride_new_res + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty), mask)
 
@@ -60,6 +67,7 @@ def rms_norm(
             x.stride(0), residual.stride(0), out.stride(0), new_res.stride(0),
             HAS_RESIDUAL=new_res is not out, BLOCK=triton.next_power_of_2(hidden),
             num_warps=cfg.row_warps, **launch_options(x.device, cfg.waves_per_eu),
+            **pdl_options(x.device),
         )
     return (out, new_res) if new_res is not out else out
 
@@ -118,12 +126,19 @@ def head_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # gate | up is the previous kernel's output
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        # A few programs per row, all resident at decode sizes: the down projection may launch
+        # (and start streaming its weights) once the loads are issued.
+        tl.extra.cuda.gdc_launch_dependents()
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, (act * up).to(out_ptr.dtype.element_ty), mask)
 
@@ -140,6 +155,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
             x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
             num_warps=cfg.row_warps, **launch_options(x.device, cfg.waves_per_eu),
+            **pdl_options(x.device),
         )
     return out
 

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arch import pdl_options
+
 MAX_ROWS = 16  # the kernel's row limit; more rows go to cuBLAS
 DOT_ROWS = 16  # tl.dot needs at least 16 along each dimension: rows are padded to this
 _REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
@@ -84,6 +86,8 @@ def _skinny_linear_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+    PREFETCH_TILES: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -93,6 +97,15 @@ def _skinny_linear_kernel(
     k_start = pid_k * k_per_split
     n_mask = offs_n < N
     m_mask = offs_m < num_rows
+    if USE_PDL:
+        # The weight never changes, so its first tiles may be pulled into L2 while the kernel
+        # before is still finishing; x, the partial buffer, the tile counters and out are
+        # touched only after the wait (a counter still being reset by the previous launch on
+        # this weight, a reused buffer still being read).
+        _prefetch_weight_l2(
+            w_ptr, offs_n, N, k_start, K, stride_wn, BLOCK_N, BLOCK_K, PREFETCH_TILES
+        )
+        tl.extra.cuda.gdc_wait()
     # [BLOCK_N, BLOCK_K] tile of W, K contiguous; int64 offsets: lm_head has 622M elements.
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]  # [BLOCK_M, BK]
@@ -119,6 +132,11 @@ def _skinny_linear_kernel(
             acc += tl.sum(prod, axis=2)  # [BLOCK_M, BLOCK_N]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if USE_PDL:
+        # After the last weight load: the next kernel launches only once every program got
+        # here (or exited), so its programs never take an SM from a tile of this grid that
+        # still has to stream its weights; they overlap the stores and the reduction.
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_DOT:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -154,6 +172,28 @@ def _skinny_linear_kernel(
 
 
 @triton.jit
+def _prefetch_weight_l2(
+    w_ptr, offs_n, N, k_start, K, stride_wn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
+):
+    """Pulls the first TILES [BLOCK_N, BLOCK_K] tiles of W from k_start on into L2: one
+    prefetch per 32-byte sector, addresses clamped into W (a clamped one repeats a sector)."""
+    sector: tl.constexpr = 256 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn  # [BLOCK_N]
+    offs_s = tl.arange(0, BLOCK_K // sector) * sector  # [BLOCK_K / sector]
+    for t in tl.static_range(TILES):
+        cols = tl.minimum(k_start + t * BLOCK_K + offs_s, K - 1)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+            "=r,l",
+            [w_ptr + rows[:, None] + cols[None, :]],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
 def _reduce_splits_kernel(
     part_ptr,
     bias_ptr,
@@ -164,15 +204,21 @@ def _reduce_splits_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = offs < N
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the partials are the split launch's output
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # fixed order: the same sum on every run
         total += tl.load(part_ptr + (s * num_rows + row) * N + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        # A few programs, all resident: the next kernel may launch once the loads are issued.
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + row * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -214,6 +260,7 @@ def skinny_linear(
     counters = _tile_counters(weight) if split and cfg.last_reduces else None
     last_reduces = counters is not None
     grid = (triton.cdiv(n, cfg.block_n), num_splits)
+    pdl = pdl_options(x.device)
     _skinny_linear_kernel[grid](
         x,
         weight,
@@ -237,8 +284,11 @@ def skinny_linear(
         HAS_BIAS=bias is not None and (last_reduces or not split),
         EVEN_N=n % cfg.block_n == 0,
         EVEN_K=k % per_split == 0,
+        # the tiles the pipelined loop loads first (fixed per config: no extra variants)
+        PREFETCH_TILES=cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl,
     )
     if split and not last_reduces:
         _reduce_splits_kernel[(triton.cdiv(n, _REDUCE_BLOCK), num_rows)](
@@ -252,6 +302,7 @@ def skinny_linear(
             BLOCK=_REDUCE_BLOCK,
             HAS_BIAS=bias is not None,
             num_warps=4,
+            **pdl,
         )
     return out
 

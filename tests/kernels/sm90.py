@@ -20,10 +20,13 @@ def ast_source(
     arg_type: Callable[[str], str],
     aligned: Callable[[str], bool] = lambda name: False,
 ) -> ASTSource:
-    """The kernel `fn` with `consts` as its constexprs, every other argument typed by
-    `arg_type(name)` ("*bf16", "i32", ...); `aligned(name)` arguments are specialised as the
-    launcher does for 16-byte aligned pointers and multiples of 16."""
+    """The kernel `fn` with `consts` as its constexprs (defaults for those not given), every
+    other argument typed by `arg_type(name)` ("*bf16", "i32", ...); `aligned(name)` arguments
+    are specialised as the launcher does for 16-byte aligned pointers and multiples of 16."""
     signature, attrs = {}, {}
+    # constexprs with a default (USE_PDL) take it unless given, as a launch would
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    consts = {**defaults, **consts}
     for index, name in enumerate(fn.arg_names):
         if name in consts:
             signature[name] = "constexpr"
