@@ -1,12 +1,18 @@
 """Argmax and top-k (k <= 32) over large vocabularies for many rows at once.
 
 Two launches, both with grids fixed by shapes:
-1. grid (rows, chunks): each program takes `vocab_chunk` entries of one row and extracts its k
-   best (value, id) pairs by k rounds of max-then-smallest-id;
+1. grid (rows, chunks): each program takes `vocab_chunk` entries of one row and finds its k
+   best (value, id) pairs;
 2. grid (rows,): one program merges the chunks' candidates of its row the same way.
 
+Argmax (k = 1) extracts the best by one round of max-then-smallest-id. For k >= 2 each
+(value, id) pair is packed into one int64 key that orders as the pairs do: the float's bits
+mapped to an order-preserving int32 in the high half, 2**32 - 1 - id in the low half, so a
+single bitonic top-k (`tl.topk`, k padded to a power of two) replaces k rounds of max and min
+over the chunk. Where Triton lacks `tl.topk`, k rounds of max-then-smallest-id do it.
+
 Order: larger value first; equal values by smaller vocabulary id (as torch.argmax picks the first
-maximum). NaN logits are not supported.
+maximum); -0.0 counts as 0.0. NaN logits are not supported.
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ from kernels.arch import arch_config, launch_options
 
 MAX_TOP_K = 32
 _NO_ID = 2**62  # larger than every vocabulary id: marks a removed or padding candidate
+# packed keys: ids must fit the low 32 bits; a padding key sorts below every packed pair
+MAX_PACKED_VOCAB = 2**32
+_PAD_KEY = -(2**63)
+HAS_TL_TOPK = hasattr(tl, "topk")
 
 
 @triton.jit
@@ -61,6 +71,80 @@ def _merge_top_k_kernel(
     _extract_top_k(vals, ids, out_val_ptr + row * K, out_id_ptr + row * K, K)
 
 
+@triton.jit
+def _pack_keys(vals, ids):
+    """(fp32 values, int64 ids) -> int64 keys ordered by value, then by smaller id."""
+    bits = (vals + 0.0).to(tl.int32, bitcast=True)  # (+0.0 turns -0.0 into 0.0)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 order = float order
+    return (key.to(tl.int64) << 32) | (4294967295 - ids)
+
+
+@triton.jit
+def _store_unpacked(keys, out_val_ptr, out_id_ptr, K: tl.constexpr, K_PAD: tl.constexpr):
+    """Writes the first K of K_PAD sorted packed keys as (value, id)."""
+    offs = tl.arange(0, K_PAD)
+    key = (keys >> 32).to(tl.int32)
+    bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
+    ids = 4294967295 - (keys & 4294967295)
+    tl.store(out_val_ptr + offs, bits.to(tl.float32, bitcast=True), mask=offs < K)
+    tl.store(out_id_ptr + offs, ids, mask=offs < K)
+
+
+@triton.jit
+def _chunk_top_k_sorted_kernel(
+    logits_ptr, part_ptr, vocab, stride_row, num_chunks,
+    CHUNK: tl.constexpr, K_PAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < vocab
+    vals = tl.load(logits_ptr + row * stride_row + offs, mask=valid, other=0.0)
+    keys = _pack_keys(vals.to(tl.float32), offs.to(tl.int64))
+    keys = tl.where(valid, keys, -9223372036854775808)  # _PAD_KEY  # [CHUNK]
+    top = tl.topk(keys, K_PAD)  # [K_PAD], largest first
+    tl.store(part_ptr + (row * num_chunks + chunk) * K_PAD + tl.arange(0, K_PAD), top)
+
+
+@triton.jit
+def _merge_top_k_sorted_kernel(
+    part_ptr, out_val_ptr, out_id_ptr, num_cands,
+    CANDS_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CANDS_PAD)
+    keys = tl.load(
+        part_ptr + row * num_cands + offs, mask=offs < num_cands, other=-9223372036854775808
+    )
+    top = tl.topk(keys, K_PAD)  # [K_PAD]
+    _store_unpacked(top, out_val_ptr + row * K, out_id_ptr + row * K, K, K_PAD)
+
+
+def _top_k_sorted(logits: torch.Tensor, k: int, chunk: int, opts: dict, num_warps: int):
+    """k >= 2 through packed keys and `tl.topk` (see the module doc)."""
+    num_rows, vocab = logits.shape  # [N, V]
+    k_pad = triton.next_power_of_2(k)
+    chunk = max(chunk, k_pad)
+    num_chunks = triton.cdiv(vocab, chunk)
+    dev = logits.device
+    part = torch.empty((num_rows, num_chunks, k_pad), dtype=torch.int64, device=dev)
+    values = torch.empty((num_rows, k), dtype=torch.float32, device=dev)  # [N, k]
+    ids = torch.empty((num_rows, k), dtype=torch.int64, device=dev)  # [N, k]
+    if num_rows == 0:
+        return values.to(logits.dtype), ids
+    _chunk_top_k_sorted_kernel[(num_rows, num_chunks)](
+        logits, part, vocab, logits.stride(0), num_chunks,
+        CHUNK=chunk, K_PAD=k_pad, num_warps=num_warps, **opts,
+    )
+    num_cands = num_chunks * k_pad
+    _merge_top_k_sorted_kernel[(num_rows,)](
+        part, values, ids, num_cands,
+        CANDS_PAD=triton.next_power_of_2(num_cands), K=k, K_PAD=k_pad,
+        num_warps=num_warps, **opts,
+    )
+    return values.to(logits.dtype), ids
+
+
 def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     num_rows, vocab = logits.shape  # [N, V]
     assert logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
@@ -68,6 +152,9 @@ def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     assert 1 <= k <= min(MAX_TOP_K, vocab), f"k must be in [1, {min(MAX_TOP_K, vocab)}]"
     cfg = arch_config(logits.device)
     chunk = min(cfg.vocab_chunk, triton.next_power_of_2(vocab))
+    if k > 1 and HAS_TL_TOPK and vocab <= MAX_PACKED_VOCAB:
+        opts = launch_options(logits.device, cfg.waves_per_eu)
+        return _top_k_sorted(logits, k, chunk, opts, cfg.row_warps)
     num_chunks = triton.cdiv(vocab, chunk)
     dev = logits.device
     part_val = torch.empty((num_rows, num_chunks, k), dtype=torch.float32, device=dev)

@@ -41,6 +41,30 @@ def test_topk_and_argmax_match_reference(num_rows, vocab, k, few_values, dtype, 
     assert torch.equal(argmax_rows(logits), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("sorted_path", [True, False])
+def test_topk_paths_on_signed_zeros_infinities_and_chunk_ends(monkeypatch, sorted_path):
+    """Both top-k paths (packed keys + tl.topk, and k rounds of max) on values whose packing is
+    delicate: -0.0 equals 0.0 (smaller id first), -inf, ties across a chunk boundary, k not a
+    power of two."""
+    import kernels.argmax as argmax
+
+    monkeypatch.setattr(argmax, "HAS_TL_TOPK", sorted_path and argmax.HAS_TL_TOPK)
+    vocab = 5000  # two chunks of 4096 (the arch table's vocab_chunk) or more
+    logits = torch.full((3, vocab), -float("inf"))
+    logits[0, [10, 4095, 4096, 4999]] = torch.tensor([1.5, 2.0, 2.0, -0.0])
+    logits[0, 7] = 0.0
+    logits[1] = torch.randn(vocab, generator=torch.Generator().manual_seed(1))
+    logits[1, 4200] = logits[1, 3] = -3.25
+    logits[2, :] = -0.0
+    logits[2, 4500] = 0.0
+    logits = logits.to(DEV)
+    for k in (2, 5, 13, 32):
+        values, ids = topk_rows(logits, k)
+        want_values, want_ids = topk_rows_ref(logits, k)
+        assert torch.equal(ids, want_ids), (k, ids, want_ids)
+        assert torch.equal(values, want_values)
+
+
 def test_topk_rejects_large_k():
     with pytest.raises(AssertionError):
         topk_rows(torch.randn(2, 100, device=DEV), 33)
