@@ -8,8 +8,8 @@ ranking all positions by value keeps every request's positions a prefix automati
 
 The round time is not additive: target rows are padded to a graph bucket, the drafter chain
 costs one step per position of the *deepest* request (d_max) over all speculating requests, and
-the first step also catches the drafter up on tokens it missed (priced per request, in ms,
-by the caller: see policy.amortized_catchup_ms). So for every cap c = d_max in
+the first step also catches the drafter up on tokens it missed (the rows of every catching-up
+request of a prefix go through that one step together: see Catchup). So for every cap c = d_max in
 1..D we rank the positions with j <= c by value (a marginal-gain order: each next position adds
 its survival probability and one row), evaluate every prefix of that ranking with the exact
 cost (buckets, drafter, KV term, calibration), and keep the best prefix over all caps, or no
@@ -38,6 +38,42 @@ FORCE_KEY = 1e9  # ranking key of positions that must be taken (dwell, speculati
 
 
 @dataclass(frozen=True)
+class Catchup:
+    """The drafter catch-up that speculating requests bring into the chain's first step.
+
+    The catch-up rows of every request that speculates in a round go through one first step
+    (one forward, or passes of a few rows per request), so what a lagging request costs is
+    what its rows add to that shared step, not a forward of its own: an eager forward of the
+    draft model is bound by its kernel launches (~15 ms for 256 to 1024 rows in the H200
+    profile), and pricing each request's whole-prompt catch-up as one such forward charged a
+    batch of 16 lagging requests 16 forwards where the round runs one. A prefix's catch-up is
+    priced as the cost model's first step over all its lag rows, less the plain step, and
+    split among its requests by lag rows; each request's part is charged at its `share` (the
+    fraction of its catch-up this round carries, see policy.catchup_share)."""
+
+    lag_rows: np.ndarray  # [n] context rows each request's drafter has not seen
+    share: np.ndarray  # [n] fraction of its catch-up charged to this round
+
+
+def prefix_catchup_ms(
+    catchup: Catchup,
+    req_of: np.ndarray,  # [P] request of each ranked position
+    first: np.ndarray,  # [P] bool: the position is its request's first draft
+    num_spec: np.ndarray,  # [P] speculating requests of the prefix ending here
+    cost_model,
+) -> np.ndarray:
+    """[P] catch-up ms charged to the prefix ending at each ranked position (see Catchup)."""
+    lag = np.where(first, catchup.lag_rows[req_of], 0)  # [P]
+    if not lag.any():
+        return np.zeros(len(req_of))
+    lag_total = np.cumsum(lag)  # [P]
+    charged_rows = np.cumsum(lag * catchup.share[req_of])  # [P] lag rows x share
+    first_step = cost_model.profile.first_step_ms
+    joint = first_step(num_spec, lag_total) - first_step(num_spec, np.zeros_like(lag_total))
+    return np.maximum(joint, 0.0) * charged_rows / np.maximum(lag_total, 1)
+
+
+@dataclass(frozen=True)
 class DepthChoice:
     num_draft: np.ndarray  # [n] int drafts per request (0: AR)
     predicted_ms: float
@@ -50,7 +86,7 @@ def plan_depths(
     survival: np.ndarray,  # [n, D] s_ij, D = max drafts
     rank_key: np.ndarray,  # [n, D] ranking key (survival * hysteresis, FORCE_KEY, <= 0: excluded)
     weights: np.ndarray,  # [n] value of a token of request i
-    catchup_ms: np.ndarray,  # [n] drafter catch-up ms charged to i's first position
+    catchup: np.ndarray | Catchup,  # joint catch-up, or [n] ms charged to i's first position
     cost_model,  # CostModel (predict_ms_scalar, spec_row_terms, profile.draft_step_ms)
     base_rows: int,  # rows without drafts: one per decoding request + prefill chunk rows
     base_kv_tokens: int,
@@ -77,14 +113,17 @@ def plan_depths(
     # rows of a prefix do not depend on the cap.
     first = pos_of == 0  # [P]
     num_spec = np.cumsum(first)  # [P] speculating requests of the prefix ending here
-    catchup = np.cumsum(np.where(first, catchup_ms[req_of], 0.0))  # [P]
+    if isinstance(catchup, Catchup):
+        catchup_ms = prefix_catchup_ms(catchup, req_of, first, num_spec, cost_model)  # [P]
+    else:
+        catchup_ms = np.cumsum(np.where(first, catchup[req_of], 0.0))  # [P]
     corr, fixed = cost_model.spec_row_terms(
         base_rows, base_kv_tokens, len(order), num_prefill_rows
     )  # [P + 1] each, by draft rows taken
     draft_step = cost_model.profile.draft_step_ms
     step = draft_step(np.arange(int(num_spec[-1]) + 1))  # [K] one chain step over k rows
     # (plus a model-free drafter's host time over the speculating requests)
-    first_step = step[num_spec] + catchup + cost_model.profile.propose_ms(num_spec)  # [P]
+    first_step = step[num_spec] + catchup_ms + cost_model.profile.propose_ms(num_spec)  # [P]
     later_step = step[np.maximum(num_spec, 1)]  # [P]
     # A prefix must contain every forced position (they rank first, all at depth 1, so they
     # lead every cap's list too).

@@ -18,7 +18,7 @@ import numpy as np
 
 from scheduler.acceptance import AcceptanceEstimator
 from scheduler.cost_model import CostModel
-from scheduler.depth_planner import FORCE_KEY, plan_depths
+from scheduler.depth_planner import FORCE_KEY, Catchup, plan_depths
 
 # Hysteresis: while a request speculates its draft positions are valued at survival x
 # (1 + HYSTERESIS), so leaving speculation needs a 3% worse estimate than break-even: enough
@@ -122,25 +122,43 @@ class RateTracker:
         self._ar_tokens += a * (measured_ms * ar_rate - self._ar_tokens)
 
 
-def amortized_catchup_ms(
-    view: DecodeView, survival: np.ndarray, cost_model: CostModel
-) -> np.ndarray:
-    """[n] drafter catch-up ms the planner charges to a request's first SPEC round.
+def catchup_share(view: DecodeView, survival: np.ndarray) -> np.ndarray:
+    """[n] the fraction of a request's drafter catch-up charged to one of its SPEC rounds.
 
     Catching the drafter up (after a prefill or AR rounds) is paid once and enables every
     later SPEC round of the request, so it is spread over the rounds the request can still
     speculate: its remaining tokens over the tokens one of its SPEC rounds makes at full
-    usable depth (1 + sum of its survival), at most CATCHUP_HORIZON_ROUNDS. The cost spread is
-    the request's lag on top of a drafter step over the batch, in ms, so the charge is that
-    cost / horizon whatever the shape of the step-time curve (spreading lag *rows* instead
-    priced them where the curve is flat or on its tail depending on the batch). (The
-    predicted and measured round times keep the full catch-up.)"""
+    usable depth (1 + sum of its survival), at most CATCHUP_HORIZON_ROUNDS. The charge is the
+    catch-up's cost in ms / horizon whatever the shape of the step-time curve (spreading lag
+    *rows* instead priced them where the curve is flat or on its tail depending on the
+    batch). (The predicted and measured round times keep the full catch-up.)"""
+    tokens_per_round = 1.0 + survival.sum(1)  # [n]
+    return 1.0 / np.clip(view.num_remaining / tokens_per_round, 1.0, CATCHUP_HORIZON_ROUNDS)
+
+
+def amortized_catchup_ms(
+    view: DecodeView, survival: np.ndarray, cost_model: CostModel
+) -> np.ndarray:
+    """[n] drafter catch-up ms charged to a request's SPEC round were it the only one to
+    catch up (full_catchup_ms x catchup_share)."""
     full = full_catchup_ms(view, cost_model)
     if not full.any():
         return full
-    tokens_per_round = 1.0 + survival.sum(1)  # [n]
-    horizon = np.clip(view.num_remaining / tokens_per_round, 1.0, CATCHUP_HORIZON_ROUNDS)
-    return full / horizon
+    return full * catchup_share(view, survival)
+
+
+def joint_catchup_ms(view: DecodeView, share: np.ndarray, cost_model: CostModel) -> np.ndarray:
+    """[n] drafter catch-up ms charged to a request's SPEC round when every lagging request
+    catches up in it: the first step over all their lag rows less the plain step, split by
+    lag rows (depth_planner.Catchup), times the request's share."""
+    lag = view.drafter_lag
+    total = int(lag.sum())
+    if not total:
+        return np.zeros(len(lag))
+    n = len(lag)
+    first_step = cost_model.profile.first_step_ms_scalar
+    joint = max(first_step(n, total) - first_step(n, 0), 0.0)
+    return joint * lag / total * share
 
 
 def full_catchup_ms(view: DecodeView, cost_model: CostModel) -> np.ndarray:
@@ -169,7 +187,7 @@ def plan_in_basis(
     survival: np.ndarray,  # [n, D]
     key: np.ndarray,  # [n, D] ranking key
     view: DecodeView,
-    catchup_ms: np.ndarray,  # [n]
+    catchup: Catchup,
     cost_model: CostModel,
     basis: PlanBasis,
 ):
@@ -178,7 +196,7 @@ def plan_in_basis(
         survival,
         key,
         view.weights,
-        catchup_ms,
+        catchup,
         cost_model,
         basis.base_rows,
         basis.base_kv_tokens,
@@ -241,7 +259,7 @@ def decode_basis(
 def entry_key(
     key: np.ndarray,  # [n, D] ranking key, changed in place
     value: np.ndarray,  # [n, D] survival as the planner values it
-    catchup_ms: np.ndarray,  # [n] amortised catch-up (amortized_catchup_ms)
+    catchup_ms: np.ndarray,  # [n] catch-up charge per round (joint_catchup_ms)
     basis: PlanBasis,
     cost_model: CostModel,
 ) -> None:
@@ -335,17 +353,18 @@ class AdaptivePolicy:
         one_step = float(cost_model.profile.draft_step_ms(np.array([n]))[0])
         caught_up = float(np.count_nonzero(full_catchup <= one_step)) / n
         basis = decode_basis(view, cost_model, caught_up)
-        catchup_ms = amortized_catchup_ms(view, survival, cost_model)
-        if catchup_ms.any():
-            entry_key(key, value, catchup_ms, basis, cost_model)
-        choice = plan_in_basis(value, key, view, catchup_ms, cost_model, basis)
+        catchup = Catchup(view.drafter_lag, catchup_share(view, survival))
+        if view.drafter_lag.any():
+            charge = joint_catchup_ms(view, catchup.share, cost_model)  # [n]
+            entry_key(key, value, charge, basis, cost_model)
+        choice = plan_in_basis(value, key, view, catchup, cost_model, basis)
         num_draft = choice.num_draft
         probe = ""
         if not num_draft.any() and needs_probe and may_probe.any():
             check = self._probe_check
             check[0] += 1
             if check[0] >= PROBE_RECHECK_ROUNDS or check[1] != n:
-                can_pay = self.probe_can_pay(view, estimator, cost_model, basis, catchup_ms)
+                can_pay = self.probe_can_pay(view, estimator, cost_model, basis, catchup)
                 check[:] = [0, n, can_pay]
             if check[2]:
                 num_draft, probe = self.probe(view, may_probe), " probe"
@@ -365,7 +384,7 @@ class AdaptivePolicy:
         return estimator.needs_probe()
 
     @staticmethod
-    def probe_can_pay(view, estimator, cost_model, basis: PlanBasis, catchup_ms) -> bool:
+    def probe_can_pay(view, estimator, cost_model, basis: PlanBasis, catchup: Catchup) -> bool:
         """Whether speculation would pay in this round if every request drafted at the best
         acceptance level of the estimator: if not even then, no probe outcome could change a
         decision (a compute-bound batch, a drafter too slow for it), and a probe's catch-up
@@ -374,7 +393,7 @@ class AdaptivePolicy:
         top = estimator.survival_matrix()[-1, : view.max_drafts]  # [D]
         best = usable_survival(view, np.broadcast_to(top, (len(view.req_ids), len(top))))
         key = np.where(best > 0, best, -1.0)
-        choice = plan_in_basis(best, key, view, catchup_ms, cost_model, basis)
+        choice = plan_in_basis(best, key, view, catchup, cost_model, basis)
         return bool(choice.num_draft.any())
 
     @staticmethod

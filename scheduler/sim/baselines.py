@@ -21,14 +21,14 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.cost_model import CostModel, ProfileCost
-from scheduler.depth_planner import plan_depths
+from scheduler.depth_planner import Catchup, plan_depths
 from scheduler.policy import (
     AdaptivePolicy,
     AllARPolicy,
     AllSpecPolicy,
     Decision,
     DecodeView,
-    amortized_catchup_ms,
+    catchup_share,
     depth_caps,
     usable_survival,
 )
@@ -211,7 +211,7 @@ class OraclePolicy:
             survival,
             key,
             view.weights,
-            amortized_catchup_ms(view, survival, self.true_cost),
+            Catchup(view.drafter_lag, catchup_share(view, survival)),
             self.true_cost,
             view.base_rows,
             view.base_kv_tokens,
