@@ -10,6 +10,26 @@ Predicted round time (ms), following the profile's own description:
       + drafter prefill over the round's prefill rows (when the drafter follows prefills)
       + a model-free drafter's proposal time on the host over num_spec requests (`drafter_host`)
 
+Speculating rounds as served (profiles that have the tables; older ones keep the terms above):
+
+- `target.spec_rows_ms` ([k, r, ms]: whole rounds of k speculating sequences of r rows each at
+  the reference context, KV term subtracted as in `rows_ms`) prices what verifying groups costs
+  beyond AR rows: excess(k, r) = spec_rows_ms(k, r) - target(k * r), made non-decreasing in r
+  and k (a measured excess below a shallower or smaller group's is taken as noise: with rows
+  padded to a bucket the round must not get cheaper as drafts are added), 0 at r = 1. A round
+  with k speculating requests carrying D draft rows in all (D = k * d_max unless the caller
+  knows them) pays target(bucket(rows)) + excess(k, 1 + D / k): a pure speculating round of a
+  profiled shape costs its measurement exactly, and AR rows and padding next to the groups cost
+  the difference of the target curve. The excess is interpolated linearly in r and log-linearly
+  in k between the profiled counts, proportional to k outside them.
+- `draft_model.propose_ms` ([k, d, ms]: one whole proposal of d drafts for k requests right
+  after a verified round, its first step catching up the usual 1-2 rows per request) replaces
+  first_step + (d - 1) steps: linear in d between the profiled drafts (plus chain steps past
+  the deepest, proportional below the shallowest), log-linear in k (plus d steps' growth of the
+  step curve past the largest count), non-decreasing in both. A catch-up of `drafter_lag_rows`
+  (rounds the drafter missed) keeps its pass pricing on top: first_step(k, lag) -
+  first_step(k, 0).
+
 An AR-only decode round (no drafts, no prefill chunk) runs ahead in the engine: the host's work
 between rounds hides behind the device's, so its cost is scaled by the profile's
 `ar_ahead_ratio` (period of rounds run ahead / the round alone, measured per row count at the
@@ -36,6 +56,7 @@ again, instead of being locked out by a single warm-up measurement.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from pathlib import Path
@@ -61,10 +82,13 @@ CALIB_DECAY = 0.995
 
 
 def _tail_slope(xs: np.ndarray, ys: np.ndarray) -> float:
-    """Slope of the last segment (0 for a single point: a flat curve)."""
+    """Slope of the last segment, never below 0 (0 for a single point: a flat curve). More rows
+    never cost less: a last segment that falls within the timing noise (the draft model's
+    launch-bound catch-up forward, 15.8 ms at 256 rows and 14.5 ms at 1024 in the H200
+    profile) would otherwise price a catch-up of 16 whole prompts below zero."""
     if len(xs) < 2:
         return 0.0
-    return float((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+    return max(float((ys[-1] - ys[-2]) / (xs[-1] - xs[-2])), 0.0)
 
 
 def _interp_linear_tail(x, xs: np.ndarray, ys: np.ndarray):
@@ -76,6 +100,32 @@ def _interp_linear_tail(x, xs: np.ndarray, ys: np.ndarray):
 
 
 TABLE_ROWS = 16384  # row counts with a precomputed cost; larger ones use the linear tail
+SPEC_TABLE_REQS = 1024  # speculating-request counts with precomputed spec-round terms
+SPEC_TABLE_DRAFTS = 32  # drafts per request with a precomputed proposal cost (spec depth <= 32)
+
+
+def _complete_grid(points, min_second: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[m, 3] (count, second key, ms) points -> (counts [K], keys [J], ms [K, J]): the keys above
+    `min_second`, and only the counts measured at every key (a shape left out for lack of KV
+    space leaves its count out)."""
+    pts = np.asarray(points, dtype=np.float64).reshape(-1, 3)
+    keys = np.unique(pts[pts[:, 1] > min_second, 1])  # [J]
+    cells = {(float(k), float(j)): float(ms) for k, j, ms in pts}
+    counts = [k for k in np.unique(pts[:, 0]) if k >= 1 and all((k, j) in cells for j in keys)]
+    grid = np.array([[cells[(k, j)] for j in keys] for k in counts], dtype=np.float64)
+    grid = grid.reshape(len(counts), len(keys))
+    return np.asarray(counts, dtype=np.float64), keys, grid
+
+
+def _over_requests(counts: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """[K, J] values at the measured request counts -> [SPEC_TABLE_REQS, J] at every count,
+    log-linear between them and flat outside (row 0 copies row 1)."""
+    k = np.arange(1, SPEC_TABLE_REQS, dtype=np.float64)
+    out = np.empty((SPEC_TABLE_REQS, grid.shape[1]))
+    for j in range(grid.shape[1]):
+        out[1:, j] = np.interp(np.log(k), np.log(counts), grid[:, j])
+    out[0] = out[1]
+    return out
 
 
 class _Curve:
@@ -157,6 +207,56 @@ class ProfileCost:
         self._padded = _Curve(self._target(self.bucket(table_rows)), self._target.slope)
         self.bucket_index_table = np.searchsorted(self.row_buckets, table_rows)  # [TABLE_ROWS]
         self.bucket_index_list = self.bucket_index_table.tolist()
+        # speculating rounds as served (module doc); None in older profiles: today's terms
+        self._excess_r, self._excess = self._excess_table(target.get("spec_rows_ms"))
+        self._excess_r_list = self._excess_r.tolist()
+        self._excess_list = None if self._excess is None else self._excess.tolist()
+        self._chain = self._chain_table((draft or {}).get("propose_ms"))
+        self._chain_list = None if self._chain is None else self._chain.tolist()
+        self.has_spec_tables = self._excess is not None or self._chain is not None
+
+    def _excess_table(self, spec_rows_ms) -> tuple[np.ndarray, np.ndarray | None]:
+        """-> (rows per sequence [J], excess ms [SPEC_TABLE_REQS, J]) from `spec_rows_ms`: a
+        speculating round's target cost beyond the AR curve at the same rows (module doc)."""
+        counts, rows_per_seq, grid = _complete_grid(spec_rows_ms or [], 1.0)
+        r = np.concatenate([[1.0], rows_per_seq])  # [J] r = 1: AR rows, no excess
+        if not len(counts) or not len(rows_per_seq):
+            return r, None
+        ar = self._target(np.rint(counts[:, None] * rows_per_seq[None, :]))  # [K, J - 1]
+        excess = np.concatenate([np.zeros((len(counts), 1)), grid - ar], axis=1)  # [K, J]
+        excess = np.maximum.accumulate(np.maximum.accumulate(excess, axis=1), axis=0)
+        table = _over_requests(counts, excess)  # [SPEC_TABLE_REQS, J]
+        k = np.arange(SPEC_TABLE_REQS, dtype=np.float64)[:, None]  # [SPEC_TABLE_REQS, 1]
+        # outside the profiled counts the excess per speculating request stays
+        table = np.where(k < counts[0], excess[0] * k / counts[0], table)
+        table = np.where(k > counts[-1], excess[-1] * k / counts[-1], table)
+        return r, table
+
+    def _chain_table(self, propose_ms) -> np.ndarray | None:
+        """[SPEC_TABLE_REQS, SPEC_TABLE_DRAFTS + 1] a draft model's whole proposal by
+        (speculating requests, drafts) from `propose_ms` (module doc), or None."""
+        counts, drafts, grid = _complete_grid(propose_ms or [], 0.0)
+        if not len(counts) or not len(drafts):
+            return None
+        grid = np.maximum.accumulate(np.maximum.accumulate(grid, axis=1), axis=0)
+        by_reqs = _over_requests(counts, grid)  # [SPEC_TABLE_REQS, J]
+        k = np.arange(SPEC_TABLE_REQS)
+        step = self._draft(np.maximum(k, 1))  # [SPEC_TABLE_REQS] one chain step
+        # past the largest profiled count: the growth of d chain steps on top
+        grow = np.maximum(step - self._draft(int(counts[-1])), 0.0)[:, None] * drafts[None, :]
+        by_reqs = np.where((k > counts[-1])[:, None], by_reqs + grow, by_reqs)
+        by_reqs = np.maximum.accumulate(by_reqs, axis=0)
+        d = np.arange(SPEC_TABLE_DRAFTS + 1, dtype=np.float64)
+        if len(drafts) > 1:  # linear in d between the profiled drafts
+            j = np.clip(np.searchsorted(drafts, d, side="right") - 1, 0, len(drafts) - 2)
+            w = np.clip((d - drafts[j]) / (drafts[j + 1] - drafts[j]), 0.0, 1.0)
+            table = by_reqs[:, j] * (1.0 - w) + by_reqs[:, j + 1] * w
+        else:
+            table = np.repeat(by_reqs, len(d), axis=1)
+        # shallower than profiled: proportional; deeper: plain chain steps on the deepest
+        table = np.where(d < drafts[0], by_reqs[:, :1] * d / drafts[0], table)
+        deeper = by_reqs[:, -1:] + (d - drafts[-1]) * step[:, None]
+        return np.where(d > drafts[-1], deeper, table)
 
     @classmethod
     def from_file(cls, path: str | Path) -> ProfileCost:
@@ -228,6 +328,86 @@ class ProfileCost:
         passes = max(passes, 1)
         return passes * self._draft.scalar(int(rows / passes))
 
+    def spec_excess_ms(self, num_spec, num_draft_rows):
+        """The target's cost beyond the AR curve of `num_spec` speculating requests verifying
+        `num_draft_rows` drafts in all (0 without `spec_rows_ms`). Scalars or arrays."""
+        k = np.asarray(num_spec, dtype=np.int64)
+        if self._excess is None:
+            return np.zeros(np.broadcast(k, np.asarray(num_draft_rows)).shape)
+        last = SPEC_TABLE_REQS - 1
+        kc = np.clip(k, 1, last)
+        r = self._excess_r
+        per_seq = 1.0 + np.asarray(num_draft_rows, dtype=np.float64) / kc
+        j = np.clip(np.searchsorted(r, per_seq, side="right") - 1, 0, len(r) - 2)
+        lo = self._excess[kc, j]
+        y = lo + (per_seq - r[j]) / (r[j + 1] - r[j]) * (self._excess[kc, j + 1] - lo)
+        y = np.where(k > last, y * (k / last), y)
+        return np.where(k > 0, y, 0.0)
+
+    def spec_excess_ms_scalar(self, num_spec: int, num_draft_rows: int) -> float:
+        if self._excess_list is None or num_spec <= 0:
+            return 0.0
+        last = SPEC_TABLE_REQS - 1
+        kc = min(num_spec, last)
+        r = self._excess_r_list
+        row = self._excess_list[kc]
+        per_seq = 1.0 + num_draft_rows / kc
+        j = min(max(bisect.bisect_right(r, per_seq) - 1, 0), len(r) - 2)
+        y = row[j] + (per_seq - r[j]) / (r[j + 1] - r[j]) * (row[j + 1] - row[j])
+        return y * (num_spec / last) if num_spec > last else y
+
+    def chain_ms(self, num_spec, depth):
+        """The drafter's whole proposal of `depth` drafts for `num_spec` requests without a
+        catch-up beyond the usual (`propose_ms`; without it first_step + (depth - 1) steps)."""
+        k = np.asarray(num_spec, dtype=np.int64)
+        d = np.asarray(depth, dtype=np.int64)
+        if self._chain is None:
+            return self._draft(k) + (np.maximum(d, 1) - 1) * self._draft(np.maximum(k, 1))
+        last = SPEC_TABLE_REQS - 1
+        t = self._chain[np.clip(k, 0, last), np.clip(d, 0, SPEC_TABLE_DRAFTS)]
+        if k.max(initial=0) > last:
+            t = t + np.where(k > last, d * (self._draft(k) - self._draft(last)), 0.0)
+        if d.max(initial=0) > SPEC_TABLE_DRAFTS:
+            extra = (d - SPEC_TABLE_DRAFTS) * self._draft(np.maximum(k, 1))
+            t = t + np.where(d > SPEC_TABLE_DRAFTS, extra, 0.0)
+        return t
+
+    def chain_ms_scalar(self, num_spec: int, depth: int) -> float:
+        if self._chain_list is None:
+            return self._draft.scalar(num_spec) + (max(depth, 1) - 1) * self._draft.scalar(
+                max(num_spec, 1)
+            )
+        last = SPEC_TABLE_REQS - 1
+        t = self._chain_list[min(max(num_spec, 0), last)][min(max(depth, 0), SPEC_TABLE_DRAFTS)]
+        if num_spec > last:
+            t += depth * (self._draft.scalar(num_spec) - self._draft.scalar(last))
+        if depth > SPEC_TABLE_DRAFTS:
+            t += (depth - SPEC_TABLE_DRAFTS) * self._draft.scalar(max(num_spec, 1))
+        return t
+
+    def catchup_extra_ms(self, num_spec, lag_rows):
+        """What a catch-up of `lag_rows` adds to the chain's first step (passes priced as
+        first_step_ms does): 0 without lag. Scalars or arrays."""
+        lag_rows = np.asarray(lag_rows)
+        extra = self.first_step_ms(num_spec, lag_rows) - self._draft(np.asarray(num_spec))
+        return np.where(lag_rows > 0, extra, 0.0)
+
+    def catchup_extra_ms_scalar(self, num_spec: int, lag_rows: int) -> float:
+        if not lag_rows:
+            return 0.0
+        return self.first_step_ms_scalar(num_spec, lag_rows) - self._draft.scalar(num_spec)
+
+    def spec_terms_ms(self, num_spec, num_draft_rows, depth):
+        """Everything the speculating set adds to a round beyond its rows' target cost, KV and
+        the engine's host time, without catch-ups: the target's excess for the groups, the
+        drafter's proposal (chain_ms) and a model-free drafter's host time. Arrays; the
+        planner prices a candidate as corr * (fixed + spec_terms + catch-up) (spec_row_terms)."""
+        return (
+            self.chain_ms(num_spec, depth)
+            + self.propose_ms(num_spec)
+            + self.spec_excess_ms(num_spec, num_draft_rows)
+        )
+
     def spec_host_ms(self, num_seqs):
         """The engine's host time around a speculating round of `num_seqs` decoding requests."""
         return self._spec_host[np.clip(np.asarray(num_seqs, dtype=np.int64), 0, TABLE_ROWS - 1)]
@@ -255,19 +435,28 @@ class ProfileCost:
         drafter_lag_rows=0,
         num_prefill_rows=0,
         drafter_prefill=False,
+        num_draft_rows=None,
     ):
         """Uncorrected round time in ms (scalars or broadcastable arrays). Decode-only rounds
-        are padded to their graph bucket; rounds with a prefill chunk run eagerly."""
+        are padded to their graph bucket; rounds with a prefill chunk run eagerly.
+        `num_draft_rows`: the round's draft rows (default: num_spec * draft_depth)."""
         target = self._target if np.any(num_prefill_rows) else self._padded
         t = target(num_rows) + self.attention_ms(num_kv_tokens)
         draft_depth = np.asarray(draft_depth)
         ahead = (draft_depth == 0) & (np.asarray(num_prefill_rows) == 0)
         t = t * np.where(ahead, self._ahead_ratio(num_rows), 1.0)
         num_spec = np.asarray(num_spec)
-        first = self.first_step_ms(num_spec, drafter_lag_rows)
-        rest = (np.maximum(draft_depth, 1) - 1) * self._draft(np.maximum(num_spec, 1))
+        if self._chain is None:
+            first = self.first_step_ms(num_spec, drafter_lag_rows)
+            rest = (np.maximum(draft_depth, 1) - 1) * self._draft(np.maximum(num_spec, 1))
+        else:
+            first = self.chain_ms(num_spec, draft_depth)
+            rest = self.catchup_extra_ms(num_spec, drafter_lag_rows)
         seqs = np.asarray(num_rows) - num_prefill_rows - num_spec * draft_depth
         host = self.spec_host_ms(np.maximum(seqs, num_spec)) + self.propose_ms(num_spec)
+        if self._excess is not None:
+            drafts = num_spec * draft_depth if num_draft_rows is None else num_draft_rows
+            host = host + self.spec_excess_ms(num_spec, drafts)
         t = t + np.where(draft_depth > 0, first + rest + host, 0.0)
         if drafter_prefill and np.any(num_prefill_rows):
             t = t + self._draft(num_prefill_rows)
@@ -283,6 +472,7 @@ class ProfileCost:
         num_prefill_rows: int = 0,
         drafter_prefill: bool = False,
         padded: bool = False,
+        num_draft_rows: int | None = None,
     ) -> float:
         """round_ms for one shape in plain Python (no array overhead). `padded`: num_rows is
         already the executed (padded or eager) row count."""
@@ -294,10 +484,17 @@ class ProfileCost:
         if draft_depth == 0 and not num_prefill_rows:
             t *= self._ahead_ratio.scalar(num_rows)
         if draft_depth > 0:
-            t += self.first_step_ms_scalar(num_spec, drafter_lag_rows)
-            t += (draft_depth - 1) * self._draft.scalar(max(num_spec, 1))
+            if self._chain_list is None:
+                t += self.first_step_ms_scalar(num_spec, drafter_lag_rows)
+                t += (draft_depth - 1) * self._draft.scalar(max(num_spec, 1))
+            else:
+                t += self.chain_ms_scalar(num_spec, draft_depth)
+                t += self.catchup_extra_ms_scalar(num_spec, drafter_lag_rows)
             t += self.round_spec_host_ms(num_rows, num_prefill_rows, num_spec, draft_depth)
             t += self._propose_list[min(num_spec, TABLE_ROWS - 1)]
+            if self._excess_list is not None:
+                drafts = num_spec * draft_depth if num_draft_rows is None else num_draft_rows
+                t += self.spec_excess_ms_scalar(num_spec, drafts)
         if drafter_prefill and num_prefill_rows:
             t += self._draft.scalar(num_prefill_rows)
         return t
@@ -334,6 +531,7 @@ class CostModel:
         num_spec=0,
         drafter_lag_rows=0,
         num_prefill_rows=0,
+        num_draft_rows=None,
     ) -> float:
         return self.profile.round_ms_scalar(
             num_rows,
@@ -343,6 +541,7 @@ class CostModel:
             drafter_lag_rows,
             num_prefill_rows,
             self.drafter_prefill,
+            num_draft_rows=num_draft_rows,
         )
 
     def predict_ms_scalar(
@@ -353,9 +552,16 @@ class CostModel:
         num_spec=0,
         drafter_lag_rows=0,
         num_prefill_rows=0,
+        num_draft_rows=None,
     ) -> float:
         raw = self.raw_ms_scalar(
-            num_rows, num_kv_tokens, draft_depth, num_spec, drafter_lag_rows, num_prefill_rows
+            num_rows,
+            num_kv_tokens,
+            draft_depth,
+            num_spec,
+            drafter_lag_rows,
+            num_prefill_rows,
+            num_draft_rows,
         )
         return self.correct_ms_scalar(raw, num_rows, draft_depth > 0)
 
@@ -372,6 +578,7 @@ class CostModel:
         num_spec=0,
         drafter_lag_rows=0,
         num_prefill_rows=0,
+        num_draft_rows=None,
     ):
         raw = self.profile.round_ms(
             num_rows,
@@ -381,6 +588,7 @@ class CostModel:
             drafter_lag_rows,
             num_prefill_rows,
             self.drafter_prefill,
+            num_draft_rows,
         )
         return raw * self.correction(num_rows, np.asarray(draft_depth) > 0)
 
@@ -397,7 +605,8 @@ class CostModel:
         """predict_ms of many speculating candidates of one round (depth >= 1), sharing its base
         rows and KV: each candidate adds `extra_rows` draft rows (arguments broadcast). Same
         values as predict_ms, via 1-D tables over the few distinct row and request counts (the
-        planner's hot path)."""
+        planner's hot path). With the spec-round tables the groups' excess is priced from each
+        candidate's own draft rows (predict_ms with num_draft_rows = extra_rows)."""
         p = self.profile
         extra = np.arange(int(extra_rows.max()) + 1)  # [R]
         rows = base_rows + extra
@@ -411,6 +620,11 @@ class CostModel:
         corr = self.correction(rows, True)  # [R]
         num_spec = np.asarray(num_spec)
         lag_rows = np.asarray(lag_rows)
+        if p.has_spec_tables:
+            draft = p.spec_terms_ms(num_spec, extra_rows, depth)
+            if lag_rows.any():
+                draft = draft + p.catchup_extra_ms(num_spec, lag_rows)
+            return corr[extra_rows] * (fixed[extra_rows] + draft)
         step = p.draft_step_ms(np.arange(int(num_spec.max()) + 1))  # [K] one chain step
         first = p.first_step_ms(num_spec, lag_rows) if lag_rows.any() else step[num_spec]
         draft = first + (depth - 1) * step[np.maximum(num_spec, 1)] + p.propose_ms(num_spec)
@@ -421,9 +635,10 @@ class CostModel:
     ) -> tuple[np.ndarray, np.ndarray]:
         """The draft-row-dependent terms of predict_spec_grid, for `extra` = 0..max_extra_rows
         draft rows on top of the round's base: (corr, fixed), each [max_extra_rows + 1]. A
-        speculating candidate with `extra` draft rows and drafter time `draft_ms` (chain and
-        catch-up, see draft_step_ms) is predicted at corr[extra] * (fixed[extra] + draft_ms),
-        the same value predict_spec_grid gives."""
+        speculating candidate of k requests, d_max drafts and `extra` draft rows is predicted at
+        corr[extra] * (fixed[extra] + profile.spec_terms_ms(k, extra, d_max) + catch-up ms),
+        the same value predict_spec_grid gives (catch-up: profile.catchup_extra_ms of its lag
+        rows)."""
         p = self.profile
         extra = np.arange(max_extra_rows + 1)  # [R]
         rows = base_rows + extra
