@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -433,3 +436,213 @@ def test_the_planner_does_not_speculate_when_the_lookup_costs_more_than_it_gains
         )
         choices[name] = int(choice.num_draft.sum())
     assert choices["cheap"] > 0 and choices["dear"] == 0
+
+
+# -- speculating rounds as served: spec_rows_ms and propose_ms -------------------------------
+SPEC_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+# a monotone target curve (the shared profile's, as measured, dips at 16 rows, so its excess
+# over the AR curve would be clamped where it dips)
+MONO_ROWS = [[r, 4.4 + 0.02 * r] for r in (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)]
+
+
+def _raw_profile(monotone: bool = True) -> dict:
+    raw = json.loads(
+        (Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json").read_text()
+    )
+    if monotone:
+        raw["target"]["rows_ms"] = MONO_ROWS
+    return raw
+
+
+def _with_spec_tables(raw: dict, target_scale=1.15, chain_scale=1.3, noise=0.0) -> dict:
+    """`raw` plus both tables: the target's a multiple of the AR curve at the same rows, the
+    proposal's a multiple of about d chain steps (noise: a seeded relative jitter, so the tables
+    are not monotone as measured)."""
+    old = ProfileCost(raw)
+    rng = np.random.default_rng(3)
+    spec_rows = []
+    for k in SPEC_COUNTS:
+        for r in (2, 4, 8):
+            jitter = 1.0 + noise * rng.uniform(-1, 1)
+            spec_rows.append([k, r, float(old.target_ms(k * r)) * target_scale * jitter])
+    propose = []
+    for k in SPEC_COUNTS:
+        for d in (1, 3, 7):
+            jitter = 1.0 + noise * rng.uniform(-1, 1)
+            # (a monotone stand-in for d chain steps: the shared profile's step curve dips)
+            propose.append([k, d, (0.3 + d * (0.9 + 0.005 * k)) * chain_scale * jitter])
+    out = json.loads(json.dumps(raw))
+    out["target"]["spec_rows_ms"] = spec_rows
+    out["draft_model"]["propose_ms"] = propose
+    return out
+
+TABLES = ProfileCost(_with_spec_tables(_raw_profile()))
+NOISY = ProfileCost(_with_spec_tables(_raw_profile(), noise=0.2))
+
+
+def test_a_profiled_speculating_round_costs_its_measurements():
+    raw = _with_spec_tables(_raw_profile())
+    spec_rows = {(k, r): ms for k, r, ms in raw["target"]["spec_rows_ms"]}
+    propose = {(k, d): ms for k, d, ms in raw["draft_model"]["propose_ms"]}
+    for k in (2, 4, 16, 128):  # k * r a row bucket of the profile
+        for r in (2, 4, 8):
+            if k * r not in TABLES.row_buckets:
+                continue
+            d = r - 1
+            price = TABLES.round_ms_scalar(k * r, 0, d, k)
+            assert price == pytest.approx(spec_rows[(k, r)] + propose[(k, d)], rel=1e-9)
+            assert float(TABLES.round_ms(k * r, 0, d, k)) == pytest.approx(price, rel=1e-9)
+
+
+def test_between_profiled_counts_interpolation_is_log_linear_in_requests():
+    w = (np.log(6) - np.log(4)) / (np.log(8) - np.log(4))
+    want = (1 - w) * TABLES.chain_ms_scalar(4, 3) + w * TABLES.chain_ms_scalar(8, 3)
+    assert TABLES.chain_ms_scalar(6, 3) == pytest.approx(want, rel=1e-9)
+    # drafts between the profiled 3 and 7: linear
+    want = 0.5 * (TABLES.chain_ms_scalar(8, 3) + TABLES.chain_ms_scalar(8, 7))
+    assert TABLES.chain_ms_scalar(8, 5) == pytest.approx(want, rel=1e-9)
+    # 6 rows per group between the profiled 4 and 8: the excess halfway
+    half = 0.5 * (TABLES.spec_excess_ms_scalar(8, 24) + TABLES.spec_excess_ms_scalar(8, 56))
+    assert TABLES.spec_excess_ms_scalar(8, 40) == pytest.approx(half, rel=1e-9)
+    assert TABLES.spec_excess_ms_scalar(8, 0) == 0.0  # AR rows: no excess
+
+
+@given(
+    rows=st.integers(1, 5000),
+    kv=st.integers(0, 200_000),
+    depth=st.integers(0, 7),
+    num_spec=st.integers(0, 300),
+    lag=st.integers(0, 500),
+    prefill=st.sampled_from([0, 0, 300]),
+)
+def test_old_profiles_keep_todays_prices_exactly(rows, kv, depth, num_spec, lag, prefill):
+    """Empty tables are no tables: every price is bit for bit the profile's without them."""
+    old, new = _OLD, _EMPTY
+    assert not new.has_spec_tables
+    num_spec = num_spec if depth else 0
+    args = (rows, kv, depth, num_spec, lag, prefill, True)
+    assert new.round_ms_scalar(*args) == old.round_ms_scalar(*args)
+    assert float(new.round_ms(*args)) == float(old.round_ms(*args))
+
+
+def _empty_tables() -> ProfileCost:
+    raw = _raw_profile(monotone=False)
+    raw["target"]["spec_rows_ms"] = []
+    raw["draft_model"]["propose_ms"] = []
+    return ProfileCost(raw)
+
+
+_OLD = ProfileCost(_raw_profile(monotone=False))
+_EMPTY = _empty_tables()
+
+
+@given(
+    rows=st.integers(1, 5000),
+    kv=st.integers(0, 200_000),
+    depth=st.integers(0, 9),
+    num_spec=st.integers(0, 1500),
+    drafts=st.integers(0, 3000),
+    lag=st.integers(0, 500),
+    prefill=st.sampled_from([0, 0, 300]),
+    noisy=st.booleans(),
+)
+def test_spec_tables_price_alike_on_every_path(
+    rows, kv, depth, num_spec, drafts, lag, prefill, noisy
+):
+    prof = NOISY if noisy else TABLES
+    num_spec = num_spec if depth else 0
+    a = float(prof.round_ms(rows, kv, depth, num_spec, lag, prefill, True, drafts))
+    b = prof.round_ms_scalar(rows, kv, depth, num_spec, lag, prefill, True, num_draft_rows=drafts)
+    assert a == pytest.approx(b, rel=1e-9)
+    assert float(prof.chain_ms(num_spec, depth)) == pytest.approx(
+        prof.chain_ms_scalar(num_spec, depth), rel=1e-9
+    )
+
+
+@given(
+    base_rows=st.integers(1, 2000),
+    prefill=st.sampled_from([0, 0, 300]),
+    cells=st.lists(
+        st.tuples(st.integers(0, 900), st.integers(1, 7), st.integers(1, 200), st.integers(0, 400)),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_planner_terms_with_spec_tables_match_predict_ms(base_rows, prefill, cells):
+    model = CostModel(NOISY, drafter_prefill=True)
+    for rows in (64, 512):  # give some buckets a correction
+        raw = model.raw_ms_scalar(rows, 0, 3, 8)
+        model.observe(rows, True, raw, raw * 1.1)
+    extra, depth, num_spec, lag = (np.array(v) for v in zip(*cells))
+    grid = model.predict_spec_grid(base_rows, 5000, extra, depth, num_spec, lag, prefill)
+    corr, fixed = model.spec_row_terms(base_rows, 5000, int(extra.max()), prefill)
+    terms = NOISY.spec_terms_ms(num_spec, extra, depth) + NOISY.catchup_extra_ms(num_spec, lag)
+    for i in range(len(cells)):
+        want = model.predict_ms_scalar(
+            int(base_rows + extra[i]),
+            int(5000 + extra[i]),
+            int(depth[i]),
+            int(num_spec[i]),
+            int(lag[i]),
+            prefill,
+            num_draft_rows=int(extra[i]),
+        )
+        assert grid[i] == pytest.approx(want, rel=1e-9)
+        assert corr[extra[i]] * (fixed[extra[i]] + terms[i]) == pytest.approx(want, rel=1e-9)
+
+
+@given(
+    num_spec=st.integers(1, 300),
+    depth=st.integers(1, 7),
+    num_ar=st.integers(0, 200),
+    kv=st.integers(0, 100_000),
+)
+def test_spec_prices_are_monotone_in_rows(num_spec, depth, num_ar, kv):
+    """More draft rows for the same speculating requests, or more AR rows beside them, never
+    price a round lower (the tables measured with noise are made monotone); a deeper chain or
+    more requests never cost the drafter less."""
+    prof = NOISY
+    prev = 0.0
+    for drafts in range(0, num_spec * depth + 1, max(1, num_spec * depth // 40)):
+        rows = num_ar + num_spec + drafts
+        price = prof.round_ms_scalar(rows, kv, depth, num_spec, num_draft_rows=drafts)
+        assert price >= prev - 1e-9
+        prev = price
+        more_ar = prof.round_ms_scalar(rows + 5, kv, depth, num_spec, num_draft_rows=drafts)
+        assert more_ar >= price - 1e-9
+    assert prof.chain_ms_scalar(num_spec, depth + 1) >= prof.chain_ms_scalar(num_spec, depth)
+    assert prof.chain_ms_scalar(num_spec + 1, depth) >= prof.chain_ms_scalar(num_spec, depth)
+
+
+def test_catch_ups_keep_their_pass_pricing_on_top_of_the_proposal():
+    raw = _with_spec_tables(_raw_profile())
+    raw["draft_model"].update(catchup_rows_per_pass=4, max_catchup_passes=8)
+    prof = ProfileCost(raw)
+    for k, lag in ((2, 10), (8, 8), (1, 40)):
+        added = prof.round_ms_scalar(64, 0, 3, k, lag) - prof.round_ms_scalar(64, 0, 3, k, 0)
+        want = float(prof.first_step_ms(k, lag) - prof.draft_step_ms(k))
+        assert added == pytest.approx(want, rel=1e-9)
+        assert float(prof.round_ms(64, 0, 3, k, lag)) == pytest.approx(
+            prof.round_ms_scalar(64, 0, 3, k, lag), rel=1e-9
+        )
+
+
+def test_the_simulator_prices_all_spec_from_the_tables():
+    """The simulator's rounds go through the same cost model: dearer speculating rounds as
+    served make all-spec slower there, AR untouched."""
+    from scheduler.sim.acceptance_model import load_cohorts
+    from scheduler.sim.runner import SimSetup, Workload, run_sim
+    from tests.scheduler.test_lifecycle_invariants import PROFILES
+
+    cohort = load_cohorts(PROFILES / "acceptance.json")["prose"]
+    work = Workload(num_requests=8, prompt_len=256, max_tokens=48)
+    old = ProfileCost(_raw_profile())
+    out = {}
+    for name, prof in (("old", old), ("tables", TABLES)):
+        for policy in ("all-spec", "all-ar"):
+            res = run_sim(prof, cohort, SimSetup(policy=policy, concurrency=8, seed=1), work)
+            out[name, policy] = res.refill_tok_s
+    assert out["tables", "all-ar"] == pytest.approx(out["old", "all-ar"], rel=1e-9)
+    assert out["tables", "all-spec"] < 0.9 * out["old", "all-spec"]
