@@ -478,6 +478,7 @@ def _with_spec_tables(raw: dict, target_scale=1.15, chain_scale=1.3, noise=0.0) 
     out["draft_model"]["propose_ms"] = propose
     return out
 
+
 TABLES = ProfileCost(_with_spec_tables(_raw_profile()))
 NOISY = ProfileCost(_with_spec_tables(_raw_profile(), noise=0.2))
 
