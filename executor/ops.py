@@ -21,6 +21,19 @@ def skinny_linear_enabled() -> bool:
     return SKINNY_LINEAR_DEFAULT if value is None else value == "1"
 
 
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the forward's Triton kernels launch with programmatic dependent launch on
+    `device` (kernels.arch: NVIDIA sm90+ with a Triton that has it; on by default, off with
+    HIPFIRE_PDL=0, read once per process). Never on a CPU, under the interpreter or on AMD."""
+    return _load("arch", "pdl_enabled")(device)
+
+
+def pdl_forced(enabled: bool):
+    """Context manager: PDL on (where capable) or off for the launches and graph captures made
+    inside it; a captured graph keeps the launches it was captured with."""
+    return _load("arch", "pdl_forced")(enabled)
+
+
 @dataclass(frozen=True)
 class OpSet:
     rms_norm: object
