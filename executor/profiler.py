@@ -315,6 +315,24 @@ def standalone_drafter(
     return drafter
 
 
+def draft_bench(
+    model: Model,
+    max_reqs: int,
+    context_len: int,
+    depth: int,
+    graphs: bool = True,
+    table_width: int = 0,
+) -> tuple:
+    """What the draft-model timings share: a `standalone_drafter` for `max_reqs` requests
+    drafting up to `depth` tokens after `context_len`, and their random contexts (one seeded
+    generator). -> (drafter, contexts [max_reqs][context_len])"""
+    drafter = standalone_drafter(model, max_reqs, context_len, depth, graphs, table_width)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    contexts = torch.randint(0, vocab, (max_reqs, context_len), generator=g).tolist()
+    return drafter, contexts
+
+
 def time_draft_steps(
     model: Model,
     rows: tuple[int, ...],
@@ -323,20 +341,20 @@ def time_draft_steps(
     chain: int = 7,
     context_len: int = 16,
     table_width: int = 0,
+    bench: tuple | None = None,
 ) -> list[list[float]]:
     """One chain step of a draft model as the engine pays it: `DraftModelDrafter.propose` for
     `n` requests drafting `chain` tokens each from a caught-up context (host planning, uploads,
     step 0 and the chain steps, graph replays on a GPU unless `graphs` is False, the copy of
     the drafts back), divided by `chain`; median of `repeats` after two warm-up proposals.
     `table_width`: block-table columns (the serving executor's), so the graphs replayed and
-    the attention's split plan (both follow the table's width) are the ones serving uses."""
+    the attention's split plan (both follow the table's width) are the ones serving uses.
+    `bench`: a `draft_bench` set-up to time on (made here when None)."""
     from executor.drafters.base import DraftRequest
 
-    max_rows = max(rows)
-    drafter = standalone_drafter(model, max_rows, context_len, chain, graphs, table_width)
-    g = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    contexts = torch.randint(0, vocab, (max_rows, context_len), generator=g).tolist()
+    drafter, contexts = bench or draft_bench(
+        model, max(rows), context_len, chain, graphs, table_width
+    )
     out = []
     for n in rows:
         requests = [DraftRequest(slot, contexts[slot], chain) for slot in range(n)]
@@ -352,6 +370,49 @@ def time_draft_steps(
             if i >= 2:
                 times.append((time.perf_counter() - t0) * 1e3 / chain)
         out.append([n, round(statistics.median(times), 4)])
+    return out
+
+
+def time_draft_proposals(
+    model: Model,
+    num_specs: tuple[int, ...],
+    drafts: tuple[int, ...],
+    repeats: int,
+    graphs: bool = True,
+    context_len: int = 16,
+    table_width: int = 0,
+    bench: tuple | None = None,
+) -> list[list[float]]:
+    """A draft model's whole proposal as the engine pays it after a verified round:
+    `DraftModelDrafter.propose` for `k` requests drafting `d` tokens each, its first step
+    catching up 1 row per request (a chain cut short) or 2 (a chain fully accepted: its last
+    draft was never fed), every other request each way; wall ms with a device sync, median of
+    `repeats` after two warm-up proposals, per (k, d). -> [[k, d, ms], ...]. Every repeat
+    starts from that state: the drafter's commit after a round without drafts rewinds its KV
+    length (what it does after an AR round), so contexts stay at `context_len`."""
+    from executor.drafters.base import DraftRequest
+
+    if not num_specs or not drafts:
+        return []
+    drafter, contexts = bench or draft_bench(
+        model, max(num_specs), context_len, max(drafts), graphs, table_width
+    )
+    out = []
+    for k in num_specs:
+        for d in drafts:
+            requests = [DraftRequest(slot, contexts[slot], d) for slot in range(k)]
+            greedy = [True] * k
+            times = []
+            for i in range(repeats + 2):
+                for slot in range(k):  # KV through all but the last 1 or 2 context tokens
+                    drafter.commit(slot, contexts[slot][: len(contexts[slot]) - slot % 2], 0, 0)
+                _sync(model.device)
+                t0 = time.perf_counter()
+                drafter.propose(requests, greedy)
+                _sync(model.device)
+                if i >= 2:
+                    times.append((time.perf_counter() - t0) * 1e3)
+            out.append([k, d, round(statistics.median(times), 4)])
     return out
 
 
@@ -491,6 +552,20 @@ def _interp(points: list[list[float]], x: float) -> float:
     return float(np.interp(x, xs, ys)) if points else 0.0
 
 
+SPEC_REPEATS = 5  # repeats of the speculating shapes: ~50 of them in a profile built every run
+
+
+def _spec_counts(max_slots: int) -> tuple[int, ...]:
+    """Speculating request counts profiled: the powers of two below the slot count, and it."""
+    powers = {1 << i for i in range(max_slots.bit_length())}
+    return tuple(sorted({n for n in powers if n < max_slots} | {max_slots}))
+
+
+def _spec_rows_per_seq(spec_depth: int) -> tuple[int, ...]:
+    """Rows per speculating sequence profiled (1 + drafts): 2, 4 and 8 within the spec depth."""
+    return tuple(sorted({min(r, spec_depth) for r in (2, 4, 8)} - {1}))
+
+
 def _host_points(max_slots: int) -> tuple[int, ...]:
     """Live request counts at which the engine's host time per round is measured."""
     return tuple(sorted({c for c in (1, 8, 32, max_slots) if c <= max_slots}))
@@ -577,6 +652,20 @@ def build_profile(
         for n, kv_len, ms in grid
         if kv_len == ref
     ]
+    # speculating rounds as served: k sequences of r rows each, at the reference context, the
+    # same KV-term subtraction and host time as rows_ms (by sequences)
+    spec_depth = engine.config.spec_depth
+    spec_counts = _spec_counts(ex.max_slots)
+    spec_repeats = max(1, min(SPEC_REPEATS, repeats))
+    spec_rows_ms = []
+    if ex.drafter is not None:
+        for k in spec_counts:
+            if -(-(ref + spec_depth) // ex.block_size) * k > ex.kv.num_blocks:
+                continue
+            for r in _spec_rows_per_seq(spec_depth):
+                ms = timer.time_round(k * r, ref, spec_repeats, rows_per_seq=r)
+                ms = max(ms - k * ref * kv_ms_per_token, 0.1 * ms) + _interp(host_ms, k)
+                spec_rows_ms.append([k, r, round(ms, 4)])
     device = target.device
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     profile = {
@@ -594,6 +683,13 @@ def build_profile(
                 if spec_host_ms
                 else ""
             )
+            + (
+                f"; spec_rows_ms: rounds of k speculating sequences of r rows at {ref} tokens "
+                "of context, the same subtraction, median of "
+                f"{spec_repeats}"
+                if spec_rows_ms
+                else ""
+            )
         ),
         "ceilings": measure_ceilings(device) if with_ceilings else {},
         "target": {
@@ -609,6 +705,7 @@ def build_profile(
             "kv_read_TBps_assumed": float(f"{kv_rate:.4g}"),
             "kv_rate_fitted": bool(rates),
             "rows_kv_ms": grid,
+            "spec_rows_ms": spec_rows_ms,
             "ref_kv_len": ref,
             "host_ms_per_round": host_ms,
             "spec_host_ms_per_round": spec_host_ms,
@@ -630,19 +727,28 @@ def build_profile(
         )
     if draft_model is not None:
         draft_rows = tuple(r for r in rows if r <= ex.max_slots)
+        drafts = tuple(sorted({r - 1 for r in _spec_rows_per_seq(spec_depth)}))
+        # one drafter for both timings (its slots caught up by the first)
+        bench = draft_bench(
+            draft_model,
+            max(draft_rows + spec_counts),
+            ref,
+            max((7, *drafts)),
+            table_width=ex.max_blocks_per_seq,
+        )
         profile["draft_model"] = {
             "shape": f"{draft_model.config.arch}: hidden {draft_model.config.hidden_size}, "
             f"{draft_model.config.num_layers} layers",
             # at the target's reference context: a step reads every drafting request's KV
             "rows_ms_per_step": time_draft_steps(
-                draft_model,
-                draft_rows,
-                repeats,
-                context_len=ref,
-                table_width=ex.max_blocks_per_seq,
+                draft_model, draft_rows, repeats, context_len=ref, bench=bench
             ),
             "context_len": ref,
             "note": "one chain step; a depth-D chain costs D-1 steps",
+            # a whole proposal by (speculating requests, drafts), right after a verified round
+            "propose_ms": time_draft_proposals(
+                draft_model, spec_counts, drafts, spec_repeats, context_len=ref, bench=bench
+            ),
             # catching up a whole prompt (after a prefill): one eager forward of its rows
             "catchup_rows_ms": time_draft_catchup(
                 draft_model,

@@ -1,0 +1,116 @@
+"""The profile's speculating shapes as served: whole rounds of k speculating sequences of r rows
+(`target.spec_rows_ms`) and a draft model's whole proposal after a verified round
+(`draft_model.propose_ms`), read by the cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor.profiler import build_profile, time_draft_proposals
+from hipfire_serve.config import EngineConfig
+from hipfire_serve.engine import Engine
+from scheduler.cost_model import ProfileCost
+from tests.executor.test_draft_step_profile import _model_counting_rows
+from tests.fixtures.tiny_models import make_tiny_model
+
+
+def test_a_proposal_after_a_verified_round_catches_up_one_or_two_rows_per_request():
+    model, calls = _model_counting_rows()
+    out = time_draft_proposals(model, (1, 3), (1, 3), repeats=1, graphs=False)
+    assert [(k, d) for k, d, _ in out] == [(1, 1), (1, 3), (3, 1), (3, 3)]
+    assert all(ms > 0 for _, _, ms in out)
+    # 3 proposals per shape (2 warm-up, 1 timed), each step 0 then d - 1 chain steps. The
+    # first proposal of a new slot catches its 16-token context up; every later one starts
+    # as after a verified round: 1 row for even slots, 2 for odd ones (a fully accepted chain)
+    assert calls[:3] == [16, 1, 1]  # k = 1, d = 1: one forward per proposal
+    assert calls[3:12] == [1, 1, 1] * 3  # k = 1, d = 3
+    k3 = calls[12:]  # k = 3, d = 1 then d = 3
+    assert k3[0] == 1 + 16 + 16  # slots 1 and 2 catch up
+    assert k3[1:3] == [1 + 2 + 1] * 2
+    assert k3[3:] == [4, 3, 3] * 3
+
+
+def test_build_profile_measures_speculating_shapes(tmp_path):
+    target = make_tiny_model(tmp_path / "t", "llama")
+    draft = make_tiny_model(tmp_path / "d", "llama", seed=1)
+    engine = Engine(
+        EngineConfig(
+            model=str(target),
+            draft=str(draft),
+            device="cpu",
+            dtype="float32",
+            max_concurrency=4,
+            spec_depth=4,
+            kv_cache_memory="16MiB",
+            spec_mode="ar",
+        )
+    )
+    prof = build_profile(
+        engine,
+        rows=(1, 2, 8),
+        kv_lens=(16, 48),
+        repeats=1,
+        with_ceilings=False,
+        host_overhead=False,
+    )
+    t = prof["target"]
+    # k over the powers of two up to the 4 slots, r in (2, 4) within spec depth 4
+    assert [(k, r) for k, r, _ in t["spec_rows_ms"]] == [(k, r) for k in (1, 2, 4) for r in (2, 4)]
+    assert all(ms > 0 for _, _, ms in t["spec_rows_ms"])
+    # drafts (1, 3): verify depths 2 and 4
+    propose = prof["draft_model"]["propose_ms"]
+    assert [(k, d) for k, d, _ in propose] == [(k, d) for k in (1, 2, 4) for d in (1, 3)]
+    assert all(ms > 0 for _, _, ms in propose)
+    assert ProfileCost(prof).has_spec_tables
+
+
+def test_spec_rows_take_the_same_subtraction_as_rows_ms(tmp_path, monkeypatch):
+    """With round times from a formula, spec_rows_ms is the round of k groups of r rows at the
+    reference context less k sequences' KV term, timed with at most 5 repeats."""
+    from executor import profiler
+
+    calls = []
+
+    def fake_time_round(self, num_rows, kv_len, repeats, rows_per_seq=None):
+        calls.append((num_rows, kv_len, repeats, rows_per_seq))
+        per_seq = rows_per_seq or (1 if num_rows <= 4 else -(-num_rows // 4))
+        return 1.0 + 0.1 * num_rows + 0.002 * kv_len * -(-num_rows // per_seq)
+
+    monkeypatch.setattr(profiler.RoundTimer, "time_round", fake_time_round)
+    model = make_tiny_model(tmp_path / "t", "llama")
+    engine = Engine(
+        EngineConfig(
+            model=str(model),
+            draft="ngram",
+            device="cpu",
+            max_concurrency=4,
+            spec_depth=8,
+            kv_cache_memory="16MiB",
+            spec_mode="ar",
+        )
+    )
+    prof = build_profile(
+        engine,
+        rows=(1, 2, 4, 8),
+        kv_lens=(16, 48),
+        repeats=8,
+        host_overhead=False,
+        with_ceilings=False,
+    )
+    t = prof["target"]
+    kv_ms_per_token = t["kv_bytes_per_token"] / (t["kv_read_TBps_assumed"] * 1e12) * 1e3
+    assert kv_ms_per_token == pytest.approx(0.002, rel=1e-3)  # the formula's slope
+    spec_calls = [c for c in calls if c[3] is not None]
+    assert {c[2] for c in spec_calls} == {5} and {c[1] for c in spec_calls} == {48}
+    assert [(k, r) for k, r, _ in t["spec_rows_ms"]] == [
+        (k, r) for k in (1, 2, 4) for r in (2, 4, 8)
+    ]
+    for k, r, ms in t["spec_rows_ms"]:
+        measured = 1.0 + 0.1 * k * r + 0.002 * 48 * k
+        assert ms == pytest.approx(measured - k * 48 * kv_ms_per_token, abs=2e-4)
+    # the cost model's excess of 2 groups of 4 rows: that round over the AR curve at 8 rows
+    cost = ProfileCost(prof)
+    spec = {(k, r): ms for k, r, ms in t["spec_rows_ms"]}
+    assert cost.spec_excess_ms_scalar(2, 6) == pytest.approx(
+        spec[(2, 4)] - float(cost.target_ms(8)), abs=1e-9
+    )
