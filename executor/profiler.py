@@ -10,9 +10,16 @@ extended):
   several context lengths (slope of round time over KV tokens), so the cost model's KV term
   `kv_tokens * kv_bytes_per_token / rate` is a measurement, not an assumption;
 - `target.rows_kv_ms`: the raw grid (rows, kv tokens per sequence, ms) the two were fitted from;
+- `target.spec_rows_ms`: [k, r, ms] whole rounds of k speculating sequences of r rows each
+  (1 + drafts; k over the powers of two up to the slot count and the slot count, r in 2, 4, 8
+  within the spec depth) at the reference context, with the same KV-term subtraction and host
+  time as `rows_ms`: what verifying groups costs, which AR rounds of as many rows do not show;
 - `draft_model.rows_ms_per_step`: one chain step of the draft model as its proposals pay it
   (host planning, uploads, forward, picking, the copy back) per row count, when a draft model
   is loaded;
+- `draft_model.propose_ms`: [k, d, ms] a whole proposal of d drafts (1, 3, 7 within the spec
+  depth) for k speculating requests right after a verified round (step 0 catching up 1-2 rows
+  per request), at the reference context: what the engine's draft phase costs;
 - `ceilings`: copy bandwidth and bf16 GEMM rate measured on the same device in the same run.
 
 Profiles are cached under `~/.cache/hipfire-serve/profiles/` by a key of the models, device,
