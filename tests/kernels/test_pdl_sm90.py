@@ -38,6 +38,13 @@ def _ttir_args(ttir: str) -> tuple[set[str], set[str]]:
     return pointers, others
 
 
+def _is_wait(line: str) -> bool:
+    # Triton 3.9 has an op for it; 3.6 (the GPU machines') emits the instruction as inline asm
+    return "tt.grid_dependency_wait" in line or (
+        "tt.elementwise_inline_asm" in line and "griddepcontrol.wait" in line
+    )
+
+
 def check_pre_wait_ttir(ttir: str, weights: set[str]) -> list[str]:
     """What the IR does before `tt.grid_dependency_wait` that it may not: any store or atomic,
     and any load or inline assembly whose operands derive from a pointer argument outside
@@ -45,12 +52,12 @@ def check_pre_wait_ttir(ttir: str, weights: set[str]) -> list[str]:
     level of the function (every program must pass it, so the grid ends after the one
     before). Returns the violations, empty when none."""
     lines = ttir.splitlines()
-    waits = [i for i, line in enumerate(lines) if "tt.grid_dependency_wait" in line]
+    waits = [i for i, line in enumerate(lines) if _is_wait(line)]
     if len(waits) != 1:
         return [f"{len(waits)} grid dependency waits"]
     wait = waits[0]
     problems = []
-    if not lines[wait].startswith("    tt.grid_dependency_wait"):
+    if lines[wait].startswith("     "):  # the function body's own lines are indented by 4
         problems.append("the wait is nested in control flow")
     pointers, _ = _ttir_args(ttir)
     defs: dict[str, list[str]] = {}
@@ -224,7 +231,7 @@ def main() -> int:
         problems += check_ptx(on.asm["ptx"], weight_loads_allowed=bool(weights))
         if not on.metadata.launch_pdl:
             problems.append("compiled without launch_pdl")
-        if "griddepcontrol" in off.asm["ptx"] or "grid_dependency" in off.asm["ttir"]:
+        if "griddepcontrol" in off.asm["ptx"] + off.asm["ttir"] or "grid_dep" in off.asm["ttir"]:
             problems.append("grid dependency control without USE_PDL")
         if off.metadata.launch_pdl:
             problems.append("launch_pdl without USE_PDL")
@@ -254,6 +261,10 @@ def test_the_ir_check_rejects_writes_reads_and_misplaced_waits():
     assert check_pre_wait_ttir(_ir(*load_w), {"%w_ptr"}) == ["0 grid dependency waits"]
     nested = ["scf.if %n {", "  tt.grid_dependency_wait", "}"]
     assert check_pre_wait_ttir(_ir(*nested), set()) == ["the wait is nested in control flow"]
+    # Triton 3.6 writes the wait as inline assembly
+    asm_wait = '%f = tt.elementwise_inline_asm "griddepcontrol.wait; // $0" -> i32'
+    assert check_pre_wait_ttir(_ir(*load_w, asm_wait), {"%w_ptr"}) == []
+    assert check_pre_wait_ttir(_ir(*load_x, asm_wait), {"%w_ptr"})
 
 
 def test_the_ptx_check_rejects_global_accesses_before_the_wait():
