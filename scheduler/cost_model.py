@@ -210,6 +210,17 @@ class ProfileCost:
         # speculating rounds as served (module doc); None in older profiles: today's terms
         self._excess_r, self._excess = self._excess_table(target.get("spec_rows_ms"))
         self._excess_r_list = self._excess_r.tolist()
+        self._excess_width = np.diff(self._excess_r)  # [J - 1] (an empty table: unused)
+        self._excess_flat = None if self._excess is None else self._excess.ravel()
+        self._excess_width_list = self._excess_width.tolist()
+        if self._excess is not None:
+            # per request count k the excess is piecewise linear in the draft rows D, with
+            # breaks at D = k * (r_j - 1): intercept + D * slope on segment j (the planner's
+            # form, SpecTerms), [SPEC_TABLE_REQS, J - 1] each
+            k = np.maximum(np.arange(SPEC_TABLE_REQS), 1)[:, None]  # (row 0 is all zero)
+            r = self._excess_r
+            self._excess_slope = np.diff(self._excess, axis=1) / (k * np.diff(r))
+            self._excess_intercept = self._excess[:, :-1] - k * (r[:-1] - 1.0) * self._excess_slope
         self._excess_list = None if self._excess is None else self._excess.tolist()
         self._chain = self._chain_table((draft or {}).get("propose_ms"))
         self._chain_list = None if self._chain is None else self._chain.tolist()
@@ -334,15 +345,14 @@ class ProfileCost:
         k = np.asarray(num_spec, dtype=np.int64)
         if self._excess is None:
             return np.zeros(np.broadcast(k, np.asarray(num_draft_rows)).shape)
-        last = SPEC_TABLE_REQS - 1
-        kc = np.clip(k, 1, last)
-        r = self._excess_r
+        kc = np.clip(k, 1, SPEC_TABLE_REQS - 1)
+        r, width = self._excess_r, self._excess_width
         per_seq = 1.0 + np.asarray(num_draft_rows, dtype=np.float64) / kc
         j = np.clip(np.searchsorted(r, per_seq, side="right") - 1, 0, len(r) - 2)
-        lo = self._excess[kc, j]
-        y = lo + (per_seq - r[j]) / (r[j + 1] - r[j]) * (self._excess[kc, j + 1] - lo)
-        y = np.where(k > last, y * (k / last), y)
-        return np.where(k > 0, y, 0.0)
+        idx = kc * len(r) + j  # flat index of the segment's start
+        lo = self._excess_flat.take(idx)
+        y = lo + (per_seq - r.take(j)) / width.take(j) * (self._excess_flat.take(idx + 1) - lo)
+        return y * _excess_scale(k)
 
     def spec_excess_ms_scalar(self, num_spec: int, num_draft_rows: int) -> float:
         if self._excess_list is None or num_spec <= 0:
@@ -353,7 +363,7 @@ class ProfileCost:
         row = self._excess_list[kc]
         per_seq = 1.0 + num_draft_rows / kc
         j = min(max(bisect.bisect_right(r, per_seq) - 1, 0), len(r) - 2)
-        y = row[j] + (per_seq - r[j]) / (r[j + 1] - r[j]) * (row[j + 1] - row[j])
+        y = row[j] + (per_seq - r[j]) / self._excess_width_list[j] * (row[j + 1] - row[j])
         return y * (num_spec / last) if num_spec > last else y
 
     def chain_ms(self, num_spec, depth):
@@ -407,6 +417,11 @@ class ProfileCost:
             + self.propose_ms(num_spec)
             + self.spec_excess_ms(num_spec, num_draft_rows)
         )
+
+    def spec_terms(self, num_spec) -> SpecTerms:
+        """spec_terms_ms of the prefixes of one ranked order of draft positions, `num_spec`
+        [P] speculating requests of each, set up once for the planner's loop over caps."""
+        return SpecTerms(self, num_spec)
 
     def spec_host_ms(self, num_seqs):
         """The engine's host time around a speculating round of `num_seqs` decoding requests."""
@@ -497,6 +512,62 @@ class ProfileCost:
                 t += self.spec_excess_ms_scalar(num_spec, drafts)
         if drafter_prefill and num_prefill_rows:
             t += self._draft.scalar(num_prefill_rows)
+        return t
+
+
+def _excess_scale(num_spec: np.ndarray) -> np.ndarray:
+    """The excess table's factor by speculating requests: 0 without any, proportional past the
+    table's last count, else 1."""
+    last = SPEC_TABLE_REQS - 1
+    return np.where(num_spec > last, num_spec / last, (num_spec > 0).astype(np.float64))
+
+
+class SpecTerms:
+    """ProfileCost.spec_terms_ms over subsets of P prefixes (one ranked order of draft
+    positions, `num_spec` [P] speculating requests of each): the request-count lookups are done
+    once, so each of the planner's caps pays a few gathers over its own positions (arrays of at
+    most P entries, as the planner keeps them)."""
+
+    def __init__(self, profile: ProfileCost, num_spec):
+        self.profile = profile
+        self.num_spec = np.asarray(num_spec, dtype=np.int64)  # [P]
+        k = self.num_spec
+        self.propose = profile.propose_ms(k)  # [P] model-free drafter's host time
+        self.has_propose = bool(self.propose.any())
+        self.in_table = k.max(initial=0) < SPEC_TABLE_REQS
+        self.table = self.in_table and profile._chain is not None
+        if not self.table:  # first_step(k, 0) + (d - 1) steps, or beyond the table's counts
+            self.first = profile._draft(k) + self.propose  # [P]
+            self.step = profile._draft(np.maximum(k, 1))  # [P]
+        self.excess = profile._excess is not None
+        if self.excess and self.in_table:
+            # drafts per request at the breaks (whole rows per sequence: integer compares)
+            breaks = profile._excess_r[1:-1] - 1.0
+            integral = np.all(breaks == np.round(breaks))
+            self.segment_rows = breaks.astype(np.int64).tolist() if integral else breaks.tolist()
+            self.slope = profile._excess_slope.ravel()  # [SPEC_TABLE_REQS * (J - 1)]
+            self.intercept = profile._excess_intercept.ravel()
+            self.num_segments = profile._excess_slope.shape[1]
+
+    def __call__(self, taken: np.ndarray, num_draft_rows, depth: int) -> np.ndarray:
+        """[m] spec_terms_ms of the prefixes `taken` [m] with their draft rows, at `depth`."""
+        p = self.profile
+        if self.table and depth <= SPEC_TABLE_DRAFTS:
+            t = p._chain[:, depth].take(self.num_spec.take(taken))
+            if self.has_propose:
+                t = t + self.propose.take(taken)
+        elif p._chain is None:
+            t = self.first.take(taken) + (depth - 1) * self.step.take(taken)
+        else:
+            t = p.chain_ms(self.num_spec.take(taken), depth) + self.propose.take(taken)
+        if self.excess and self.in_table:
+            k = self.num_spec.take(taken)  # [m]
+            idx = k * self.num_segments  # [m] the request count's first segment
+            for rows_per_req in self.segment_rows:
+                idx += num_draft_rows > (k if rows_per_req == 1 else k * rows_per_req)
+            t = t + (self.intercept.take(idx) + num_draft_rows * self.slope.take(idx))
+        elif self.excess:
+            t = t + p.spec_excess_ms(self.num_spec.take(taken), num_draft_rows)
         return t
 
 

@@ -647,3 +647,33 @@ def test_the_simulator_prices_all_spec_from_the_tables():
             out[name, policy] = res.refill_tok_s
     assert out["tables", "all-ar"] == pytest.approx(out["old", "all-ar"], rel=1e-9)
     assert out["tables", "all-spec"] < 0.9 * out["old", "all-spec"]
+
+
+@given(
+    firsts=st.lists(st.booleans(), min_size=1, max_size=300),
+    keep=st.lists(st.booleans(), min_size=300, max_size=300),
+    depth=st.integers(1, 9),
+    which=st.sampled_from(["tables", "noisy", "old", "lookup"]),
+    big=st.booleans(),
+)
+def test_the_planners_spec_terms_equal_the_array_terms(firsts, keep, depth, which, big):
+    """SpecTerms (the planner's per-cap form: lookups by request count done once) gives
+    spec_terms_ms of every prefix subset, also past the tables' request counts."""
+    prof = {"tables": TABLES, "noisy": NOISY, "old": _OLD, "lookup": _LOOKUP}[which]
+    num_spec = np.cumsum(np.array(firsts)) + (1100 if big else 0)  # [P] prefixes' requests
+    num_spec = np.maximum(num_spec, 1)
+    terms = prof.spec_terms(num_spec)
+    taken = np.flatnonzero(np.array(keep[: len(num_spec)]))  # a cap's subset of the prefixes
+    rows = np.arange(1, len(taken) + 1)
+    want = prof.spec_terms_ms(num_spec[taken], rows, depth)
+    np.testing.assert_allclose(terms(taken, rows, depth), want, rtol=1e-9)
+
+
+def _lookup_with_tables() -> ProfileCost:
+    raw = _with_spec_tables(_raw_profile())
+    raw.pop("draft_model")
+    raw["drafter_host"] = {"name": "ngram", "propose_ms": [[1, 0.1], [64, 2.0]]}
+    return ProfileCost(raw)
+
+
+_LOOKUP = _lookup_with_tables()
