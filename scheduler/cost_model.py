@@ -202,6 +202,15 @@ class ProfileCost:
         self.name = profile.get("name", "profile")
         self._target = _Curve.from_points(self.target_rows, self.target_ms_points)
         self._draft = _Curve.from_points(self.draft_rows, self.draft_ms_points)
+        # A catch-up past the passes is one eager forward (the passes' graphs hold a few rows
+        # per request): launch-bound, so priced at the measured whole-forward times
+        # (`catchup_rows_ms`), flat below the fewest rows measured, and not at the graphed chain
+        # step of as many rows (1.4-5.3 ms for 1-128 rows against 15.8 ms measured for an eager
+        # forward of 256 on the H200; the engine's 33-row catch-up priced at 2.5 ms drew
+        # requests back into speculation exactly at that lag).
+        eager = np.asarray((draft or {}).get("catchup_rows_ms") or [], dtype=np.float64)
+        eager = eager.reshape(-1, 2)
+        self._eager = _Curve.from_points(eager[:, 0], eager[:, 1]) if len(eager) else self._draft
         table_rows = np.arange(TABLE_ROWS)
         # target cost at the graph bucket of each row count (eager past the largest bucket)
         self._padded = _Curve(self._target(self.bucket(table_rows)), self._target.slope)
@@ -318,8 +327,9 @@ class ProfileCost:
             return self._draft(rows)
         per_req = rows / np.maximum(num_spec, 1.0)
         passes = np.ceil(per_req / self.catchup_rows_per_pass)
-        passes = np.where(passes > self.max_catchup_passes, 1.0, np.maximum(passes, 1.0))
-        return passes * self._draft(rows / passes)
+        one = passes > self.max_catchup_passes
+        passes = np.where(one, 1.0, np.maximum(passes, 1.0))
+        return np.where(one, self._eager(rows), passes * self._draft(rows / passes))
 
     def propose_ms(self, num_spec):
         """A model-free drafter's proposal for `num_spec` requests (0 for a draft model)."""
@@ -335,7 +345,7 @@ class ProfileCost:
             return self._draft.scalar(rows)
         passes = math.ceil(rows / max(num_spec, 1) / self.catchup_rows_per_pass)
         if passes > self.max_catchup_passes:
-            return self._draft.scalar(rows)
+            return self._eager.scalar(rows)
         passes = max(passes, 1)
         return passes * self._draft.scalar(int(rows / passes))
 
