@@ -122,7 +122,56 @@ class RateTracker:
         self._ar_tokens += a * (measured_ms * ar_rate - self._ar_tokens)
 
 
-def catchup_share(view: DecodeView, survival: np.ndarray) -> np.ndarray:
+class SpecStretches:
+    """How long each request keeps speculating once it has started: its own exit rate.
+
+    A catch-up is paid back only by the SPEC rounds that follow it until the request leaves
+    speculation, not by the request's whole remaining life: a request whose speculation rests
+    on a lucky belief (prose-like text near break-even) drops back to AR after a round or two,
+    and its drafter must catch up again on the next entry. In the simulator (2026-11-30 H200
+    profile, prose at C = 1..2) entries priced over the request's life took 16-21% of
+    request-rounds into speculation at 0.96x all-AR throughput. Each request's stretch is
+    geometric in this estimate: (its SPEC rounds + 1) / (its exits + 1 / CATCHUP_HORIZON_ROUNDS),
+    so a request that has not left speculation yet (a new one too) keeps the whole horizon,
+    and one that left after two rounds expects about three. Per request, not per batch: on
+    mixed text the prose-like requests' exits must not shorten the code-like ones' horizon."""
+
+    def __init__(self):
+        self._req_id = np.full(0, -1, dtype=np.int64)  # [slots] request the counts belong to
+        self._spec_rounds = np.zeros(0)  # [slots]
+        self._exits = np.zeros(0)  # [slots]
+
+    def _rows(self, view: DecodeView) -> np.ndarray:
+        slots = view.slots
+        size = int(slots.max(initial=-1)) + 1
+        if size > len(self._req_id):  # grow to the largest slot seen
+            grow = size - len(self._req_id)
+            self._req_id = np.concatenate([self._req_id, np.full(grow, -1, dtype=np.int64)])
+            self._spec_rounds = np.concatenate([self._spec_rounds, np.zeros(grow)])
+            self._exits = np.concatenate([self._exits, np.zeros(grow)])
+        fresh = self._req_id[slots] != view.req_ids
+        if fresh.any():  # a new request in the slot starts without history
+            self._req_id[slots[fresh]] = view.req_ids[fresh]
+            self._spec_rounds[slots[fresh]] = 0.0
+            self._exits[slots[fresh]] = 0.0
+        return slots
+
+    def expected_rounds(self, view: DecodeView) -> np.ndarray:
+        """[n] expected SPEC rounds of each request's next stretch."""
+        rows = self._rows(view)
+        return (self._spec_rounds[rows] + 1.0) / (self._exits[rows] + 1.0 / CATCHUP_HORIZON_ROUNDS)
+
+    def observe(self, view: DecodeView, num_draft: np.ndarray) -> None:
+        """One decision: requests that speculated last round and now do not have exited. (A
+        decision made ahead and then remade counts twice; both counts scale alike.)"""
+        rows = self._rows(view)
+        self._spec_rounds[rows] += num_draft > 0
+        self._exits[rows] += view.was_spec & (num_draft == 0)
+
+
+def catchup_share(
+    view: DecodeView, survival: np.ndarray, max_rounds: np.ndarray | float = CATCHUP_HORIZON_ROUNDS
+) -> np.ndarray:
     """[n] the fraction of a request's drafter catch-up charged to one of its SPEC rounds.
 
     Catching the drafter up (after a prefill or AR rounds) is paid once and enables every
@@ -133,7 +182,8 @@ def catchup_share(view: DecodeView, survival: np.ndarray) -> np.ndarray:
     *rows* instead priced them where the curve is flat or on its tail depending on the
     batch). (The predicted and measured round times keep the full catch-up.)"""
     tokens_per_round = 1.0 + survival.sum(1)  # [n]
-    return 1.0 / np.clip(view.num_remaining / tokens_per_round, 1.0, CATCHUP_HORIZON_ROUNDS)
+    horizon = np.minimum(view.num_remaining / tokens_per_round, max_rounds)  # [n]
+    return 1.0 / np.clip(horizon, 1.0, CATCHUP_HORIZON_ROUNDS)
 
 
 def amortized_catchup_ms(
@@ -287,6 +337,25 @@ def entry_key(
     key[rows] = np.minimum(key[rows], net.max(axis=1)[:, None])
 
 
+def deferred_catchups(view: DecodeView, profile) -> np.ndarray:
+    """[n] bool: requests that do not start speculating in this round, which carries a prefill
+    chunk, because their drafter would catch up in a forward of its own.
+
+    A catch-up longer than the drafter's graphed passes (catchup_rows_per_pass rows per request,
+    at most max_catchup_passes of them; every catch-up when the profile has no passes) is one
+    eager forward, bound by its launches: ~15 ms whether it holds one request's prompt or
+    sixteen (H200 profile, 256 to 1024 rows). Next to prefill chunks new requests arrive one
+    or two per round, so starting them there pays that forward for each of them; deferred to
+    the next decode-only round they catch up together in one. In the simulator (2026-11-30
+    H200 profile) this took draft-half code-like text at C = 128 from 0.96x to 1.03x all-AR
+    refill throughput and C = 64 from 0.98x to 1.06x, and code-like text at C = 8 from 1.05x
+    to 1.07x all-spec in full-live rounds. Requests asked to speculate ("on") are never held
+    back, and a probe (one observation for the prior) may still take one: held back, the
+    probes of a prefill-heavy start moved into the decode-only rounds."""
+    capacity = profile.catchup_rows_per_pass * profile.max_catchup_passes
+    return (view.drafter_lag > capacity) & ~view.was_spec & ~view.must_spec
+
+
 def depth_caps(view: DecodeView) -> np.ndarray:
     """[n] the most drafts each request can use: a chain never needs to run past max_tokens."""
     caps = np.minimum(view.num_remaining - 1, view.max_drafts)
@@ -325,6 +394,9 @@ class AdaptivePolicy:
         # batch size changes and every PROBE_RECHECK_ROUNDS decisions:
         # [decisions since the check, batch size, answer]
         self._probe_check = [0, -1, True]
+        self.stretches = SpecStretches()
+        # the request the last probe drafted for (-1: none), which the dwell does not hold
+        self._probe_req_id = -1
 
     def survival(self, view: DecodeView, estimator: AcceptanceEstimator) -> np.ndarray:
         return estimator.survival(view.slots)[:, : view.max_drafts]
@@ -340,9 +412,17 @@ class AdaptivePolicy:
         value = survival * factor[:, None]  # [n, D]
         usable = survival > 0
         key = np.where(usable, value, -1.0)
-        hold = view.in_dwell & (not view.cohort_changed)
+        # A probe is one observation for the prior, not a switch: the dwell does not hold its
+        # request in speculation. (Held, its catch-up looked sunk, and the planner took the
+        # rest of a lagging batch into one shared catch-up behind it: 61 of 64 prose-like
+        # requests at a predicted -7% against all-AR in the simulator, then two rounds of
+        # dwell for all of them.)
+        probed = view.req_ids == self._probe_req_id  # [n]
+        hold = view.in_dwell & (not view.cohort_changed) & ~probed
         force = view.may_spec & (view.must_spec | (hold & view.was_spec)) & usable[:, 0]
         exclude = hold & ~view.was_spec & ~view.must_spec
+        if view.num_prefill_rows:  # (a probe may still go: see deferred_catchups)
+            key[deferred_catchups(view, cost_model.profile)] = -1.0
         needs_probe = self.wants_probe(estimator)
         may_probe = usable[:, 0] & ~exclude
         key[exclude] = -1.0
@@ -353,7 +433,8 @@ class AdaptivePolicy:
         one_step = float(cost_model.profile.draft_step_ms(np.array([n]))[0])
         caught_up = float(np.count_nonzero(full_catchup <= one_step)) / n
         basis = decode_basis(view, cost_model, caught_up)
-        catchup = Catchup(view.drafter_lag, catchup_share(view, survival))
+        share = catchup_share(view, survival, self.stretches.expected_rounds(view))  # [n]
+        catchup = Catchup(view.drafter_lag, share)
         if view.drafter_lag.any():
             charge = joint_catchup_ms(view, catchup.share, cost_model)  # [n]
             entry_key(key, value, charge, basis, cost_model)
@@ -368,6 +449,8 @@ class AdaptivePolicy:
                 check[:] = [0, n, can_pay]
             if check[2]:
                 num_draft, probe = self.probe(view, may_probe), " probe"
+                self._probe_req_id = int(view.req_ids[np.flatnonzero(num_draft)[0]])
+        self.stretches.observe(view, num_draft)
         num_spec = int(np.count_nonzero(num_draft))
         ar_rate = choice.ar_tokens / choice.ar_ms
         gain = (choice.predicted_tokens / choice.predicted_ms) / ar_rate - 1.0 if ar_rate else 0.0
