@@ -719,7 +719,8 @@ class CostModel:
         speculating candidate of k requests, d_max drafts and `extra` draft rows is predicted at
         corr[extra] * (fixed[extra] + profile.spec_terms_ms(k, extra, d_max) + catch-up ms),
         the same value predict_spec_grid gives (catch-up: profile.catchup_extra_ms of its lag
-        rows)."""
+        rows). Over many prefixes of one ranked order, profile.spec_terms(num_spec) gives the
+        same spec terms with the per-request lookups done once (SpecTerms)."""
         p = self.profile
         extra = np.arange(max_extra_rows + 1)  # [R]
         rows = base_rows + extra
