@@ -19,7 +19,11 @@ so its time is the weight bytes over the memory bandwidth. The kernel is laid ou
 Every launch has a grid fixed by the shapes and allocates only through torch's caching
 allocator, so it can be captured in a CUDA graph; the tile counters are created on a weight's
 first launch outside a capture (a capture that comes first takes the second-kernel reduction).
-Two streams must not run the same weight's split launches at the same time. Accumulation is
+Two streams must not run the same weight's split launches at the same time. Under programmatic
+dependent launch (sm90+, `kernels.arch.pdl_options`) a launch may start while the kernel before
+it finishes: it pulls its first weight tiles into L2, then waits for that kernel before it reads
+x or touches the partials, the tile counters or out, and lets the next kernel launch once its
+weights are streamed; a launch thus ends only after the one before it. Accumulation is
 fp32; output has x's dtype. The model reaches the kernel through `linear`, which takes it only
 for shapes and row counts with a measured win in `TUNED`.
 """
