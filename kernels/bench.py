@@ -771,6 +771,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles", default="", help="arch-table tile changes: block_n=64,num_stages=2")
     ap.add_argument("--no-baselines", action="store_true", help="skip the full grid (tune only)")
     ap.add_argument(
+        "--small-only", action="store_true", help="only the small kernels (norms, RoPE, top-k...)"
+    )
+    ap.add_argument(
         "--sweep",
         action="store_true",
         help="time the tile rules' candidate launches and the committed pick (sweep.json/.md)",
@@ -819,6 +822,11 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:  # after every stage, so a run cut short still leaves its numbers
         (args.out / "kernels.json").write_text(json.dumps(record, indent=1))
 
+    if args.small_only:
+        record["small_kernels"] = bench_small_kernels(device)
+        save()
+        print(small_kernel_table(record["small_kernels"]))
+        return 0
     shapes = [(b, c, r, g) for c in CONTEXTS for b in BATCHES for r in ROWS for g in GQAS]
     if args.quick:
         shapes = [s for s in shapes if s[0] in (1, 16) and s[1] in (8192, 32768)]
@@ -917,16 +925,21 @@ def markdown_tables(record: dict) -> str:
                 f"| {r['launch']['num_splits']} | {r['ours_ms'] * 1e3:.1f} "
                 f"| {r['merge_ms'] * 1e3:.1f} | {100 * r['merge_ms'] / r['ours_ms']:.0f}% |"
             )
-    lines += ["", "| kernel | ours us | torch us | speed-up |", "|---|---:|---:|---:|"]
-    for r in record["small_kernels"]:
-        lines.append(
-            f"| {r['kernel']} | {r['ours_ms'] * 1e3:.1f} | {r['torch_ms'] * 1e3:.1f} "
-            f"| {r['speedup']:.2f} |"
-        )
+    lines += ["", small_kernel_table(record["small_kernels"])]
     # A sweep of this run, or of a separate --tune run kept in the record under "tune_run".
     sweep = record.get("tune") or record.get("tune_run", {}).get("tune")
     if sweep:
         lines += ["", tune_table(sweep)]
+    return "\n".join(lines)
+
+
+def small_kernel_table(small_kernels: list[dict]) -> str:
+    lines = ["| kernel | ours us | torch us | speed-up |", "|---|---:|---:|---:|"]
+    for r in small_kernels:
+        lines.append(
+            f"| {r['kernel']} | {r['ours_ms'] * 1e3:.1f} | {r['torch_ms'] * 1e3:.1f} "
+            f"| {r['speedup']:.2f} |"
+        )
     return "\n".join(lines)
 
 
