@@ -104,7 +104,7 @@ def random_caches(model, num_blocks: int, *, seed: int = 0):
 
 class GraphPair:
     """The same decode round captured twice, with PDL off and on (engine graphs, each with its
-    own static buffers); `replay(pdl)` runs one, `logits(pdl)` is its static output."""
+    own static buffers): `graph(pdl)` is one of the two, `logits(pdl)` runs the round on it."""
 
     def __init__(self, model, kv, batch: DecodeBatch):
         from executor.graphs import DecodeGraphs, bucket_for
@@ -223,8 +223,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--context", type=int, default=CONTEXT_LEN)
-    parser.add_argument("--replays", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--replays", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     args.models = tuple(args.models.split(","))
     unknown = sorted(set(args.models) - set(MODELS))
@@ -274,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU")
         return 2
     t0 = time.time()
-    device = torch.device("cuda")
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", torch.cuda.current_device())
     capable = pdl_capable(device)
     print(f"{torch.cuda.get_device_name(device)}: PDL {'available' if capable else 'unavailable'}")
     print(_HEADER)
