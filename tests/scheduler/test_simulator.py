@@ -156,3 +156,27 @@ def test_cli_writes_json(tmp_path, capsys):
     assert "full-live tok/s" in capsys.readouterr().out
     assert cli.main(["--policies", "nonsense"]) == 2
     assert cli.main(["--cohort", "nonsense", "--concurrency", "1", "--workers", "1"]) == 2
+
+
+def test_catchups_are_priced_as_the_engine_runs_them():
+    """The simulator's round times come from the cost model; a draft model's catch-up runs in
+    graphed passes of a few rows per request and past them as one eager forward (the engine's
+    DraftModelDrafter), whose measured time does not fall with more rows."""
+    from tests.scheduler.test_policy_check import MEASURED_1130, MODEL_1130
+
+    profile = MODEL_1130.profile
+    eager = {int(r): ms for r, ms in MEASURED_1130["draft_model"]["catchup_rows_ms"]}
+    capacity = profile.catchup_rows_per_pass * profile.max_catchup_passes
+    step = profile.draft_step_ms(np.array([profile.catchup_rows_per_pass]))[0]
+    within = profile.first_step_ms_scalar(1, capacity - 1)  # the last pass holds the last row
+    assert within == pytest.approx(profile.max_catchup_passes * step)
+    # one row more is an eager forward, launch-bound: the fewest rows measured, not a chain step
+    assert profile.first_step_ms_scalar(1, capacity) == pytest.approx(eager[min(eager)])
+    assert profile.first_step_ms_scalar(1, capacity) > 3 * within / profile.max_catchup_passes
+    # the measured curve falls from 256 to 1024 rows; past it the price stays at the last point
+    for num_spec, lag in ((1, 2000), (16, 17600), (64, 64000)):
+        ms = profile.first_step_ms_scalar(num_spec, lag)
+        assert ms >= eager[max(eager)]
+        assert ms == pytest.approx(
+            float(profile.first_step_ms(np.array([num_spec]), np.array([lag]))[0])
+        )
