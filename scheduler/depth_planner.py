@@ -62,15 +62,21 @@ def prefix_catchup_ms(
     num_spec: np.ndarray,  # [P] speculating requests of the prefix ending here
     cost_model,
 ) -> np.ndarray:
-    """[P] catch-up ms charged to the prefix ending at each ranked position (see Catchup)."""
-    lag = np.where(first, catchup.lag_rows[req_of], 0)  # [P]
+    """[P] catch-up ms charged to the prefix ending at each ranked position (see Catchup).
+    Only first positions add lag, so it is priced at those (n values, not n * D) and carried to
+    the deeper positions after each."""
+    reqs = req_of[first]  # [m] requests in the order their first positions rank
+    lag = catchup.lag_rows[reqs]  # [m]
     if not lag.any():
         return np.zeros(len(req_of))
-    lag_total = np.cumsum(lag)  # [P]
-    charged_rows = np.cumsum(lag * catchup.share[req_of])  # [P] lag rows x share
+    lag_total = np.cumsum(lag)  # [m]
+    charged_rows = np.cumsum(lag * catchup.share[reqs])  # [m] lag rows x share
+    k = np.arange(1, len(reqs) + 1)  # [m] speculating requests of each prefix
     first_step = cost_model.profile.first_step_ms
-    joint = first_step(num_spec, lag_total) - first_step(num_spec, np.zeros_like(lag_total))
-    return np.maximum(joint, 0.0) * charged_rows / np.maximum(lag_total, 1)
+    joint = first_step(k, lag_total) - first_step(k, np.zeros_like(lag_total))  # [m]
+    charge = np.maximum(joint, 0.0) * charged_rows / np.maximum(lag_total, 1)  # [m]
+    # (a request's first position ranks before its deeper ones: num_spec >= 1 past the first)
+    return np.where(num_spec > 0, charge[np.maximum(num_spec - 1, 0)], 0.0)
 
 
 @dataclass(frozen=True)
