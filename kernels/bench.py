@@ -162,9 +162,21 @@ SCHEDULE_SHAPES = (
     (16, 8192, 16, 8), (64, 8192, 16, 8), (16, 32768, 16, 8), (1, 32768, 16, 8),
     (16, 8192, 8, 8), (16, 8192, 16, 4),
 )
+# `--sweep --variants m32`: the split rule's count of 32-vector programs per SM (8 rows x GQA 4:
+# the verify groups of a GQA-4 target), 3 as in the table against 2, what the registers of such
+# a program compiled by Triton 3.6 for sm_90 (191) allow.
+M32_VARIANTS: tuple[tuple[str, dict], ...] = (
+    ("32 vec, 3 per SM", {"programs_per_sm_m32": 3}),
+    ("32 vec, 2 per SM", {"programs_per_sm_m32": 2}),
+)
+M32_SHAPES = (
+    (1, 8192, 8, 4), (4, 8192, 8, 4), (8, 1024, 8, 4), (16, 1024, 8, 4), (16, 8192, 8, 4),
+    (32, 1024, 8, 4), (16, 32768, 8, 4), (64, 8192, 8, 4), (4, 2048, 4, 8), (16, 2048, 4, 8),
+)
 SWEEP_SETS = {
     "rules": (RULE_VARIANTS, RULE_SHAPES),
     "schedule": (SCHEDULE_VARIANTS, SCHEDULE_SHAPES),
+    "m32": (M32_VARIANTS, M32_SHAPES),
 }
 PICKED = "picked"  # the label of the committed entry's own launch
 BAD_REL_ERR = 1e-2  # bf16 against SDPA: the full grid measured 7.4e-4 to 3.0e-3

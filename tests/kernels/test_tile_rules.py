@@ -406,4 +406,4 @@ def test_schedule_sweep_variants_all_match_the_reference(h200, monkeypatch):
     assert labels == [label for label, _ in bench.SCHEDULE_VARIANTS] + [bench.PICKED]
     assert bench.rule_sweep_failures([rec]) == []
     assert {c["launch"]["block_m"] for c in rec["candidates"][:-1]} == {128}
-    assert set(bench.SWEEP_SETS) == {"rules", "schedule"}
+    assert set(bench.SWEEP_SETS) == {"rules", "schedule", "m32"}
