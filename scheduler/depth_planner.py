@@ -93,7 +93,7 @@ def plan_depths(
     rank_key: np.ndarray,  # [n, D] ranking key (survival * hysteresis, FORCE_KEY, <= 0: excluded)
     weights: np.ndarray,  # [n] value of a token of request i
     catchup: np.ndarray | Catchup,  # joint catch-up, or [n] ms charged to i's first position
-    cost_model,  # CostModel (predict_ms_scalar, spec_row_terms, profile.draft_step_ms)
+    cost_model,  # CostModel (predict_ms_scalar, spec_row_terms, profile.spec_terms)
     base_rows: int,  # rows without drafts: one per decoding request + prefill chunk rows
     base_kv_tokens: int,
     base_tokens: float,  # tokens without drafts: sum(weights) + prefill completions
@@ -126,11 +126,10 @@ def plan_depths(
     corr, fixed = cost_model.spec_row_terms(
         base_rows, base_kv_tokens, len(order), num_prefill_rows
     )  # [P + 1] each, by draft rows taken
-    draft_step = cost_model.profile.draft_step_ms
-    step = draft_step(np.arange(int(num_spec[-1]) + 1))  # [K] one chain step over k rows
-    # (plus a model-free drafter's host time over the speculating requests)
-    first_step = step[num_spec] + catchup_ms + cost_model.profile.propose_ms(num_spec)  # [P]
-    later_step = step[np.maximum(num_spec, 1)]  # [P]
+    # what the speculating set adds beyond its rows (the groups' target excess over the AR
+    # curve, the drafter's proposal, a model-free drafter's host time), by prefix; catch-ups
+    # on top
+    spec_terms = cost_model.profile.spec_terms(num_spec)
     # A prefix must contain every forced position (they rank first, all at depth 1, so they
     # lead every cap's list too).
     start = max(num_forced - 1, 0)
@@ -144,7 +143,7 @@ def plan_depths(
             continue
         tokens = base_tokens + np.cumsum(value[taken])  # [m] tokens of each prefix
         num_rows = len(taken)
-        draft = first_step[taken] + (cap - 1) * later_step[taken]  # [m] drafter ms
+        draft = spec_terms(taken, np.arange(1, num_rows + 1), cap) + catchup_ms[taken]  # [m]
         ms = corr[1 : num_rows + 1] * (fixed[1 : num_rows + 1] + draft)  # [m]
         # Objective: tokens - rate_bar * ms (see module doc); rate_bar 0: tokens / ms.
         rate = tokens - rate_bar * ms if rate_bar > 0 else tokens / ms

@@ -559,7 +559,13 @@ class Scheduler:
         if total_rows:
             cm = self.cost_model
             self._last_raw_ms = cm.raw_ms_scalar(
-                total_rows, kv_tokens, d_max, num_spec, lag, num_prefill_rows
+                total_rows,
+                kv_tokens,
+                d_max,
+                num_spec,
+                lag,
+                num_prefill_rows,
+                num_draft_rows=int(decode.num_draft.sum()),
             )
             predicted_ms = cm.correct_ms_scalar(self._last_raw_ms, total_rows, d_max > 0)
         predicted_tokens = float(len(slots)) + float(

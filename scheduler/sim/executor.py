@@ -137,6 +137,7 @@ class SimExecutor:
                 num_prefill_rows,
                 self.drafter_prefill,
                 padded=True,
+                num_draft_rows=int(num_draft.sum()),
             )
             if depth:
                 ms -= self.profile.round_spec_host_ms(rows, num_prefill_rows, num_spec, depth)
