@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{c['count']} Triton compilations ({c['seconds']} s): {c['kernels']}"
                 )
         log(f"{len(runs)} runs done, {len(skipped)} skipped; simulating")
-        sims = simulate(cfg, paths)
+        sims = simulate(cfg, paths, engine.target.config.vocab_size)
     summary = report.summarize(runs, sims)
     comparisons = report.compare_policies(summary, cfg.points(), cfg.concurrency)
     targets = report.check_targets(comparisons, summary, roofline, idle)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from loadtests.gpu_bench_report import ANY, AR, mean_mix
-from loadtests.gpu_bench_runs import cost_inner, install
+from loadtests.gpu_bench_runs import cost_inner, install, make_prompts
 
 if TYPE_CHECKING:
     from loadtests.gpu_bench import BenchConfig
@@ -123,7 +123,8 @@ def _sim_task(task: tuple) -> dict:
     from scheduler.sim.acceptance_model import load_cohorts
     from scheduler.sim.runner import SimSetup, Workload, run_sim
 
-    profile_path, acceptance, cohort, policy, c, workload, spec_depth, max_prefill, seed = task
+    (profile_path, acceptance, cohort, policy, c, workload, spec_depth, max_prefill, seed,
+     run_seed, trace_keys) = task  # fmt: skip
     result = run_sim(
         ProfileCost.from_file(profile_path),
         load_cohorts(acceptance)[cohort],
@@ -134,6 +135,10 @@ def _sim_task(task: tuple) -> dict:
             seed=seed,
             max_prefill_tokens=max_prefill,
             decide_ahead=True,  # as the engine's loop does
+            # the run's own workload and acceptance traces, under the simulator's noise
+            workload_seed=run_seed,
+            trace_seed=run_seed,
+            trace_keys=trace_keys,
         ),
         Workload(**workload),
     )
@@ -147,9 +152,16 @@ def _sim_task(task: tuple) -> dict:
     }
 
 
-def simulate(cfg: BenchConfig, paths: dict) -> dict[tuple, dict]:
-    """Every point through the simulator with the measured profile, `sim_seeds` seeds each
-    (acceptance draws differ between seeds; the figures are their mean)."""
+def simulate(cfg: BenchConfig, paths: dict, vocab: int) -> dict[tuple, dict]:
+    """Every point through the simulator with the measured profile, replaying the runs' own
+    workload and acceptance traces (the synthetic drafter's, keyed by the runs' prompts:
+    `make_prompts`, `trace_key`); `sim_seeds` seeds of the simulator's timing noise each, the
+    figures their mean."""
+    from scheduler.sim.acceptance_model import trace_key
+
+    keys_at = {
+        c: tuple(trace_key(p) for p in make_prompts(cfg, c, vocab)) for c in cfg.concurrency
+    }
     keys = [(AR, ANY, ANY, c) for c in cfg.concurrency if AR in cfg.sim_policies]
     keys += [
         (p, d, co, c)
@@ -173,6 +185,8 @@ def simulate(cfg: BenchConfig, paths: dict) -> dict[tuple, dict]:
                     cfg.spec_depth,
                     cfg.max_prefill_tokens,
                     cfg.seed + s,
+                    cfg.seed,
+                    keys_at[c],
                 )
             )
     workers = cfg.workers or min(os.cpu_count() or 1, 16)

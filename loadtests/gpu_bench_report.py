@@ -461,8 +461,10 @@ def markdown(record: dict) -> str:
         "",
         "## Every point, measured and simulated",
         "",
-        "Sim: the simulator with the profile measured in this run, "
-        f"{cfg['sim_seeds']} seeds; error = sim / measured - 1. Round pred err: mean "
+        "Sim: the simulator with the profile measured in this run, replaying each run's "
+        "workload and acceptance traces (the synthetic drafter's, keyed by the run's prompts), "
+        f"the mean of {cfg['sim_seeds']} seeds of its timing noise; error = sim / measured - 1. "
+        "Round pred err: mean "
         "|predicted - measured| / measured round time of the scheduler's cost model. Host "
         "share: part of a full-live step outside the target forward and the drafter (an "
         "upper bound of GPU idle). S share: speculating share of decoding request-rounds "

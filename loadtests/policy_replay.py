@@ -82,6 +82,7 @@ def replay(
     from loadtests.gpu_bench_measure import _sim_task
     from loadtests.gpu_bench_runs import drive_refill, install, make_prompts
     from scheduler.cost_model import ProfileCost
+    from scheduler.sim.acceptance_model import trace_key
     from scheduler.sim.policy_check import load_profile
 
     profile = load_profile(profile_path)
@@ -144,6 +145,8 @@ def replay(
                     cfg.spec_depth,
                     cfg.max_prefill_tokens,
                     cfg.seed + s,
+                    cfg.seed,  # the engine's run: its workload and acceptance traces
+                    tuple(trace_key(p) for p in prompts),
                 )
             )
             for s in range(seeds)

@@ -14,9 +14,10 @@ acceptance profile describes it (`profiles/acceptance.json`, one list of classes
 
 The state path and the acceptance coin of every generated token index are drawn once per request
 from its own random stream, keyed by (seed, the context it was set up with, how often that same
-context was set up before). A request's acceptance trace therefore depends neither on how the
-policy splits it into AR and SPEC rounds nor on when it was admitted: policies are compared on
-the same traces.
+context was set up before): the trace model of `scheduler/sim/acceptance_model.py`, which the
+simulator replays with the same keys. A request's acceptance trace therefore depends neither on
+how the policy splits it into AR and SPEC rounds nor on when it was admitted: policies are
+compared on the same traces.
 
 Proposals are placeholder tokens; `DraftBatch.forced_accept` carries the accepted count and the
 executor emits the *target's own* tokens with that length, so outputs stay the target's.
@@ -32,38 +33,20 @@ the same path as it would with those acceptances.
 from __future__ import annotations
 
 import json
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from executor.drafters.base import DraftBatch, Drafter, DraftRequest
-
-# trace entries drawn at a time when a request's trace runs out
-_TRACE_CHUNK = 64
-
-
-@dataclass(frozen=True)
-class AcceptanceClass:
-    weight: float
-    easy: float  # acceptance probability of a position in the easy state
-    hard: float
-    p_easy_to_hard: float
-    p_hard_to_easy: float
-
-    @property
-    def stationary_easy(self) -> float:
-        switch = self.p_easy_to_hard + self.p_hard_to_easy
-        return self.p_hard_to_easy / switch if switch > 0 else 1.0
-
-    @property
-    def stationary_acceptance(self) -> float:
-        pi = self.stationary_easy
-        return pi * self.easy + (1.0 - pi) * self.hard
+from scheduler.sim.acceptance_model import (
+    AcceptanceClass,
+    AcceptanceTrace,
+    class_weights,
+    trace_key,
+)
 
 
-def load_cohort(path: str | Path, cohort: str) -> list[AcceptanceClass]:
+def load_cohort(path: str | Path, cohort: str) -> tuple[AcceptanceClass, ...]:
     profile = json.loads(Path(path).read_text())
     cohorts = profile.get("cohorts", {})
     if cohort not in cohorts:
@@ -83,36 +66,7 @@ def load_cohort(path: str | Path, cohort: str) -> list[AcceptanceClass]:
     ]
     if not classes or sum(c.weight for c in classes) <= 0:
         raise ValueError(f"cohort {cohort!r} has no class with a positive weight")
-    return classes
-
-
-class _Trace:
-    """One request's acceptance trace: `accepted[k]` says whether a draft standing for its k-th
-    generated token would be accepted."""
-
-    def __init__(self, cls: AcceptanceClass, rng: np.random.Generator):
-        self.cls = cls
-        self.rng = rng
-        self.easy = rng.random() < cls.stationary_easy  # state of generated token 0
-        self.accepted: list[bool] = []
-
-    def extend_to(self, num_tokens: int) -> None:
-        c = self.cls
-        while len(self.accepted) < num_tokens:
-            coins = self.rng.random((_TRACE_CHUNK, 2)).tolist()  # [chunk, (accept, switch)]
-            for accept_u, switch_u in coins:
-                self.accepted.append(bool(accept_u < (c.easy if self.easy else c.hard)))
-                switch_p = c.p_easy_to_hard if self.easy else c.p_hard_to_easy
-                if switch_u < switch_p:
-                    self.easy = not self.easy
-
-    def num_accepted(self, first_token: int, num_draft: int) -> int:
-        """Accepted chain length of drafts for generated tokens first_token .. + num_draft."""
-        self.extend_to(first_token + num_draft)
-        n = 0
-        while n < num_draft and self.accepted[first_token + n]:
-            n += 1
-        return n
+    return tuple(classes)
 
 
 class SyntheticDrafter:
@@ -130,10 +84,9 @@ class SyntheticDrafter:
         self.cohort = cohort
         self.seed = seed
         self.inner = inner  # a real drafter run only for its cost (see the module doc)
-        weights = np.asarray([c.weight for c in self.classes], dtype=np.float64)
-        self._class_p = weights / weights.sum()  # [num_classes]
+        self._class_p = class_weights(self.classes)  # [num_classes]
         self._num_setups: dict[int, int] = {}  # context hash -> set-ups seen
-        self._traces: dict[int, _Trace] = {}  # slot -> trace
+        self._traces: dict[int, AcceptanceTrace] = {}  # slot -> trace
         self._base_len: dict[int, int] = {}  # slot -> context length at set-up
 
     @property
@@ -149,12 +102,12 @@ class SyntheticDrafter:
     def setup(self, slot: int, context: list[int]) -> None:
         if self.inner is not None:
             self.inner.setup(slot, context)
-        key = zlib.crc32(np.asarray(context, dtype=np.int64).tobytes())
+        key = trace_key(context)
         occurrence = self._num_setups.get(key, 0)
         self._num_setups[key] = occurrence + 1
-        rng = np.random.default_rng([self.seed, key, occurrence])
-        cls = self.classes[int(rng.choice(len(self.classes), p=self._class_p))]
-        self._traces[slot] = _Trace(cls, rng)
+        self._traces[slot] = AcceptanceTrace(
+            self.classes, self._class_p, self.seed, key, occurrence
+        )
         self._base_len[slot] = len(context)
 
     def release(self, slot: int) -> None:

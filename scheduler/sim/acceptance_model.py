@@ -1,15 +1,19 @@
-"""The simulator's acceptance model (format of the shared `acceptance.json`).
+"""The acceptance model of speculative drafts (format of the shared `acceptance.json`), one
+implementation for the simulator and for the benchmarks' synthetic drafter
+(`executor/drafters/synthetic.py`).
 
 Each request draws a class by weight. Within a request a two-state Markov chain (easy/hard)
 moves once per generated token; a drafted token is accepted with the probability of the state
 at its position, and a chain stops at its first rejection.
 
-The chain and the acceptance draws are fixed per request and *per output position* (from the
-seed and the request id), so every policy faces exactly the same sequence of easy and hard
-stretches and the same lucky or unlucky draws (common random numbers): differences between
-policies come from their decisions alone. A draft at output position t is accepted iff
-`u[t] < p(state[t])`; a chain of d drafts starting at position t accepts
-`min(d, run[t])` where `run[t]` counts consecutive acceptable positions from t.
+A request's trace (its class, its states and its acceptance coin per generated token) comes
+from its own random stream keyed by (seed, key, occurrence), so every policy faces exactly the
+same easy and hard stretches and the same lucky or unlucky draws (common random numbers):
+differences between policies come from their decisions alone. The synthetic drafter keys a
+request by its prompt (`trace_key`); the simulator by its request id, or by the keys a caller
+gives, e.g. the benchmark's prompts, so that the simulator replays the very traces the real run
+met. A chain of d drafts standing for generated tokens t .. t+d-1 accepts its longest prefix of
+acceptable positions.
 
 The oracle sees the state at the next position (not the draws) and gets the exact survival
 `s_j = P(positions t..t+j-1 all accepted | state[t])` from the chain's transition law.
@@ -18,6 +22,7 @@ The oracle sees the state at the next position (not the draws) and gets the exac
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,54 +59,95 @@ def load_cohorts(path: str | Path) -> dict[str, tuple[AcceptanceClass, ...]]:
     }
 
 
-class _RequestPath:
-    """One request's hidden states and acceptance run lengths over its output positions."""
+TRACE_CHUNK = 64  # generated tokens drawn at a time when a trace runs out
 
-    __slots__ = ("cls", "run", "state")
 
-    def __init__(self, cls: AcceptanceClass, rng: np.random.Generator, length: int):
-        self.cls = cls
-        state = EASY if rng.random() < cls.stationary_easy else HARD
-        # Alternate geometric holding times (a switch after each token w.p. p_leave).
-        states = np.empty(length, dtype=np.int8)  # [length]
-        pos = 0
-        while pos < length:
-            p_leave = cls.p_easy_to_hard if state == EASY else cls.p_hard_to_easy
-            hold = int(rng.geometric(p_leave)) if p_leave > 0 else length
-            states[pos : pos + hold] = state
-            pos += hold
-            state = 1 - state
-        p = np.where(states == EASY, cls.easy, cls.hard)  # [length]
-        ok = rng.random(length) < p  # [length]
-        # run[t] = consecutive acceptable positions from t: next rejection index - t
-        idx = np.arange(length)
-        next_reject = np.where(~ok, idx, length)
-        next_reject = np.minimum.accumulate(next_reject[::-1])[::-1]
-        self.run = (next_reject - idx).tolist()  # Python ints: O(1) lookups per chain
-        self.state = states
+def trace_key(token_ids) -> int:
+    """The key a request's trace is drawn under: CRC-32 of its prompt's token ids as int64."""
+    return zlib.crc32(np.asarray(token_ids, dtype=np.int64).tobytes())
+
+
+class AcceptanceTrace:
+    """One request's trace: `accepted[t]` says whether a draft standing for its t-th generated
+    token would be accepted, `state[t]` that token's chain state. Drawn lazily in chunks of
+    `TRACE_CHUNK` tokens, two coins per token (acceptance, then the switch to the next state),
+    so a trace does not depend on how far it was read."""
+
+    __slots__ = ("_easy", "accepted", "cls", "rng", "state")
+
+    def __init__(
+        self,
+        classes: tuple[AcceptanceClass, ...],
+        class_p: np.ndarray,
+        seed: int,
+        key: int,
+        occurrence: int = 0,
+    ):
+        rng = np.random.default_rng([seed, key, occurrence])
+        self.cls = classes[int(rng.choice(len(classes), p=class_p))]
+        self.rng = rng
+        self._easy = rng.random() < self.cls.stationary_easy  # state of generated token 0
+        self.accepted: list[bool] = []
+        self.state: list[int] = []  # EASY / HARD per generated token
+
+    def extend_to(self, num_tokens: int) -> None:
+        c = self.cls
+        while len(self.accepted) < num_tokens:
+            coins = self.rng.random((TRACE_CHUNK, 2)).tolist()  # [chunk, (accept, switch)]
+            for accept_u, switch_u in coins:
+                easy = self._easy
+                self.state.append(EASY if easy else HARD)
+                self.accepted.append(accept_u < (c.easy if easy else c.hard))
+                if switch_u < (c.p_easy_to_hard if easy else c.p_hard_to_easy):
+                    self._easy = not easy
+
+    def num_accepted(self, first_token: int, num_draft: int) -> int:
+        """Accepted prefix of a chain of drafts for generated tokens first_token .. + num_draft."""
+        self.extend_to(first_token + num_draft)
+        accepted = self.accepted
+        n = 0
+        while n < num_draft and accepted[first_token + n]:
+            n += 1
+        return n
+
+    def state_at(self, token: int) -> int:
+        self.extend_to(token + 1)
+        return self.state[token]
+
+
+def class_weights(classes: tuple[AcceptanceClass, ...]) -> np.ndarray:
+    """[num_classes] the probability of drawing each class."""
+    weights = np.array([c.weight for c in classes], dtype=np.float64)
+    return weights / weights.sum()
 
 
 class AcceptanceState:
-    """Hidden acceptance of the live requests, addressed by slot."""
+    """Hidden acceptance of the live requests, addressed by slot. A request's trace is keyed by
+    `trace_keys[req_id]` where given (e.g. the benchmark's prompts, `trace_key`), else by its
+    request id."""
 
-    def __init__(self, classes: tuple[AcceptanceClass, ...], seed: int, max_len: int = 8192):
-        self.classes = classes
+    def __init__(
+        self,
+        classes: tuple[AcceptanceClass, ...],
+        seed: int,
+        trace_keys: tuple[int, ...] = (),
+    ):
+        self.classes = tuple(classes)
         self.seed = seed
-        self.max_len = max_len
-        weights = np.array([c.weight for c in classes])
-        self._class_p = weights / weights.sum()
-        self._paths: dict[int, _RequestPath] = {}
-        self._slot_path: dict[int, _RequestPath] = {}
+        self.trace_keys = trace_keys
+        self._class_p = class_weights(self.classes)
+        self._paths: dict[int, AcceptanceTrace] = {}
+        self._slot_path: dict[int, AcceptanceTrace] = {}
 
     def mean_acceptance(self) -> float:
         return float(sum(p * c.mean_acceptance for p, c in zip(self._class_p, self.classes)))
 
-    def path(self, req_id: int) -> _RequestPath:
+    def path(self, req_id: int) -> AcceptanceTrace:
         path = self._paths.get(req_id)
         if path is None:
-            rng = np.random.default_rng([self.seed, req_id])
-            cls = self.classes[int(rng.choice(len(self.classes), p=self._class_p))]
-            path = _RequestPath(cls, rng, self.max_len)
+            keys = self.trace_keys
+            key = keys[req_id] if 0 <= req_id < len(keys) else req_id
+            path = AcceptanceTrace(self.classes, self._class_p, self.seed, key)
             self._paths[req_id] = path
         return path
 
@@ -113,8 +159,7 @@ class AcceptanceState:
 
     def accepted(self, slot: int, position: int, num_draft: int) -> int:
         """Accepted prefix of a chain of `num_draft` drafts starting at output `position`."""
-        run = self._slot_path[slot].run
-        return min(num_draft, run[position]) if position < len(run) else 0
+        return self._slot_path[slot].num_accepted(position, num_draft)
 
     def true_survival(
         self, slots: np.ndarray, positions: np.ndarray, max_drafts: int
@@ -129,7 +174,7 @@ class AcceptanceState:
             c = path.cls
             p_acc[i] = (c.easy, c.hard)
             p_sw[i] = (c.p_easy_to_hard, c.p_hard_to_easy)
-            belief[i, path.state[min(pos, len(path.state) - 1)]] = 1.0
+            belief[i, path.state_at(pos)] = 1.0
         out = np.empty((n, max_drafts))
         for j in range(max_drafts):
             belief = belief * p_acc

@@ -43,11 +43,16 @@ class SimExecutor:
         time_scale: Callable[[int, bool], float] | None = None,
         drafter_prefill: bool = False,
         token_fn: Callable[[int, int], int] = default_token,
-        max_output_len: int = 8192,
+        trace_seed: int | None = None,
+        trace_keys: tuple[int, ...] = (),
     ):
         self.profile = profile
         self.last_host_ms = 0.0  # the engine's host time around the last round (see run)
-        self.acceptance = AcceptanceState(classes, seed, max_output_len + 64)
+        # acceptance traces: seeded by `trace_seed` (default `seed`), keyed per request id by
+        # `trace_keys` where given (a benchmark's prompts, to replay its runs' traces)
+        self.acceptance = AcceptanceState(
+            classes, seed if trace_seed is None else trace_seed, trace_keys
+        )
         self.rng = random.Random(seed + 2)
         self.noise_sigma = noise_sigma
         self.time_scale = time_scale

@@ -76,6 +76,13 @@ class SimSetup:
     # decide the next round while this one "runs", as the engine does in its overlap window
     # (Scheduler.prepare_decision): decisions then see estimates one round older
     decide_ahead: bool = False
+    # To replay a benchmark's run (its workload and its acceptance traces) under the simulator's
+    # own timing noise (`seed`): the workload's seed (None: `seed`), the traces' seed (None:
+    # `seed`) and one trace key per request index (empty: the request id), e.g. `trace_key` of
+    # the run's prompts (`acceptance_model.AcceptanceState`)
+    workload_seed: int | None = None
+    trace_seed: int | None = None
+    trace_keys: tuple[int, ...] = ()
 
 
 @dataclass
@@ -161,7 +168,8 @@ def run_sim(
         seed=setup.seed,
         noise_sigma=setup.noise_sigma,
         drafter_prefill=drafter_prefill,
-        max_output_len=workload.max_tokens,
+        trace_seed=setup.trace_seed,
+        trace_keys=setup.trace_keys,
     )
     policy = make_policy(
         setup.policy,
@@ -173,7 +181,9 @@ def run_sim(
     )
     sched = Scheduler(cfg, num_blocks, CostModel(profile), setup.tenants, policy=policy)
 
-    source = make_requests(workload, setup.seed)
+    source = make_requests(
+        workload, setup.seed if setup.workload_seed is None else setup.workload_seed
+    )
     next_idx = 0
     arrival_of: dict[int, float] = {}
     now = 0.0

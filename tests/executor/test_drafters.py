@@ -394,3 +394,29 @@ def test_executor_reports_the_synthetic_accepted_counts(tmp_path_factory):
     ]
     assert log.num_accepted == sum(forced) > 0
     assert all(len(out) == 60 for out in log.outputs.values())
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    cohort=st.sampled_from(["code", "prose", "mixed"]),
+    prompts=st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=6), min_size=1, max_size=4),
+    chains=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 9)), min_size=1, max_size=8),
+)
+def test_simulator_replays_the_synthetic_drafters_traces(seed, cohort, prompts, chains):
+    """The simulator keyed by the run's prompts accepts exactly what the synthetic drafter did:
+    the benchmark's simulated points replay its runs' acceptance."""
+    from scheduler.sim.acceptance_model import AcceptanceState, load_cohorts, trace_key
+
+    drafter = SyntheticDrafter(ACCEPTANCE_PROFILE, cohort, seed=seed)
+    keys = tuple(trace_key(p) for p in prompts)
+    state = AcceptanceState(load_cohorts(ACCEPTANCE_PROFILE)[cohort], seed, keys)
+    for req_id, prompt in enumerate(prompts):
+        if prompt in prompts[:req_id]:
+            continue  # a repeated prompt is a second set-up there: another trace
+        drafter.setup(req_id, prompt)
+        state.enter(req_id, req_id)
+        for first_token, depth in chains:
+            context = prompt + [0] * first_token
+            real = drafter.propose([DraftRequest(req_id, context, depth)], [True])
+            assert real.forced_accept[0] == state.accepted(req_id, first_token, depth)

@@ -22,7 +22,7 @@ from tests.scheduler.test_lifecycle_invariants import COHORTS, PROFILE, PROFILES
 def test_acceptance_paths_follow_the_model():
     for name in ("code", "prose"):
         (cls,) = COHORTS[name]
-        state = AcceptanceState(COHORTS[name], seed=3, max_len=4000)
+        state = AcceptanceState(COHORTS[name], seed=3)
         accepted = 0
         for req_id in range(20):
             state.enter(0, req_id)
@@ -32,7 +32,7 @@ def test_acceptance_paths_follow_the_model():
         state.enter(0, 0)
         path = state.path(0)
         s = state.true_survival(np.array([0]), np.array([10]), 3)[0]
-        assert s[0] == pytest.approx(cls.easy if path.state[10] == 0 else cls.hard)
+        assert s[0] == pytest.approx(cls.easy if path.state_at(10) == 0 else cls.hard)
         assert (np.diff(s) < 0).all()
 
 
