@@ -25,11 +25,11 @@ SUMSQ_CHUNK = tl.constexpr(256)
 
 
 @triton.jit
-def chunk_of_h(
-    x_ptr, res_ptr, rows, row_mask, stride_x, stride_res, start, hidden,
+def add_chunk_squares(
+    acc, x_ptr, res_ptr, rows, row_mask, stride_x, stride_res, start, hidden,
     HAS_RESIDUAL: tl.constexpr,
 ):
-    """h[rows, start : start + SUMSQ_CHUNK] in fp32 ([R, SUMSQ_CHUNK], zero past the end),
+    """acc [R, SUMSQ_CHUNK] fp32 plus the squares of h[rows, start : start + SUMSQ_CHUNK], with
     h = x (+ residual, the sum rounded to x's dtype as the norm rounds it)."""
     offs = start + tl.arange(0, SUMSQ_CHUNK)  # [CHUNK]
     mask = row_mask[:, None] & (offs < hidden)[None, :]
@@ -37,12 +37,7 @@ def chunk_of_h(
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + rows[:, None] * stride_res + offs[None, :], mask=mask, other=0.0)
         h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return h.to(tl.float32)
-
-
-@triton.jit
-def add_squares(acc, hf):
-    """acc [R, SUMSQ_CHUNK] plus the next chunk's squares, lane by lane."""
+    hf = h.to(tl.float32)
     return acc + hf * hf
 
 
@@ -91,10 +86,10 @@ def _rms_norm_kernel(
     rows = row + tl.zeros((1,), dtype=tl.int64)  # [1]
     acc = tl.zeros((1, SUMSQ_CHUNK), dtype=tl.float32)
     for start in tl.static_range(0, BLOCK, SUMSQ_CHUNK):  # the loads hit the row just read
-        hf = chunk_of_h(
-            x_ptr, res_ptr, rows, rows >= 0, stride_x, stride_res, start, hidden, HAS_RESIDUAL
+        acc = add_chunk_squares(
+            acc, x_ptr, res_ptr, rows, rows >= 0, stride_x, stride_res, start, hidden,
+            HAS_RESIDUAL,
         )
-        acc = add_squares(acc, hf)
     if USE_PDL:
         # One row per program, all of them resident at once at decode sizes: the next kernel
         # (a linear layer streaming its weights) may launch as soon as the loads are issued.

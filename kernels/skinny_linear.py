@@ -50,7 +50,7 @@ import triton.language as tl
 
 from kernels import norms
 from kernels.arch import pdl_options
-from kernels.norms import SUMSQ_CHUNK, add_squares, chunk_of_h, chunk_sum, rms_rstd
+from kernels.norms import SUMSQ_CHUNK, add_chunk_squares, chunk_sum, rms_rstd
 
 MAX_ROWS = 16  # the kernel's row limit; more rows go to cuBLAS
 DOT_ROWS = 16  # tl.dot needs at least 16 along each dimension: rows are padded to this
@@ -140,22 +140,21 @@ def _skinny_linear_kernel(
         # x = rmsnorm(h) * norm_w with h = x (+ residual): every program sums the squares of
         # its rows over the whole K in the standalone norm's fixed order (kernels.norms), so
         # all splits and tiles get the norm kernel's rstd, bit for bit.
-        # (chunks past K add zeros, exactly; four chunks' loads are issued together)
         sum_sq = tl.zeros((BLOCK_M, SUMSQ_CHUNK), dtype=tl.float32)
-        for start in range(0, K, 4 * SUMSQ_CHUNK):
-            h0 = chunk_of_h(x_ptr, res_ptr, offs_m, m_mask, stride_xm, stride_res, start, K,
-                            NORM_RESIDUAL)  # fmt: skip
-            h1 = chunk_of_h(x_ptr, res_ptr, offs_m, m_mask, stride_xm, stride_res,
-                            start + SUMSQ_CHUNK, K, NORM_RESIDUAL)  # fmt: skip
-            h2 = chunk_of_h(x_ptr, res_ptr, offs_m, m_mask, stride_xm, stride_res,
-                            start + 2 * SUMSQ_CHUNK, K, NORM_RESIDUAL)  # fmt: skip
-            h3 = chunk_of_h(x_ptr, res_ptr, offs_m, m_mask, stride_xm, stride_res,
-                            start + 3 * SUMSQ_CHUNK, K, NORM_RESIDUAL)  # fmt: skip
-            sum_sq = add_squares(add_squares(add_squares(add_squares(sum_sq, h0), h1), h2), h3)
+        for start in range(0, K, SUMSQ_CHUNK):
+            sum_sq = add_chunk_squares(
+                sum_sq, x_ptr, res_ptr, offs_m, m_mask, stride_xm, stride_res, start, K,
+                NORM_RESIDUAL,
+            )
         rstd = rms_rstd(chunk_sum(sum_sq, BLOCK_M), K, eps)  # [BLOCK_M]
         res_ptrs = res_ptr + offs_m[:, None] * stride_res + (k_start + offs_k)[None, :]
-        new_res_ptrs = new_res_ptr + offs_m[:, None] * stride_new_res + (k_start + offs_k)[None, :]
         norm_w_ptrs = norm_w_ptr + k_start + offs_k  # [BLOCK_K]
+        if NORM_RESIDUAL:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if (pid_n == 0) & (pid_k == 0):  # the new residual h, written by one program
+                _store_residual_sum(
+                    x_ptr, res_ptr, new_res_ptr, offs_m, m_mask, stride_xm, stride_res,
+                    stride_new_res, K, BLOCK_K,
+                )
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -176,10 +175,7 @@ def _skinny_linear_kernel(
             if NORM_RESIDUAL:
                 res = tl.load(res_ptrs, mask=x_mask, other=0.0)
                 h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                if pid_n == 0:  # the new residual h: each element by one program
-                    tl.store(new_res_ptrs, h, mask=x_mask)
                 res_ptrs += BLOCK_K
-                new_res_ptrs += BLOCK_K
             if EVEN_K:
                 norm_w = tl.load(norm_w_ptrs).to(tl.float32)  # [BLOCK_K]
             else:
@@ -241,6 +237,22 @@ def _skinny_linear_kernel(
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _store_residual_sum(
+    x_ptr, res_ptr, new_res_ptr, offs_m, m_mask, stride_xm, stride_res, stride_new_res, K,
+    BLOCK_K: tl.constexpr,
+):
+    """new_res[rows] = x + residual over the whole K, rounded to x's dtype."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for start in range(0, K, BLOCK_K):
+        offs = start + offs_k
+        mask = m_mask[:, None] & (offs < K)[None, :]
+        h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs[None, :], mask=mask, other=0.0)
+        res = tl.load(res_ptr + offs_m[:, None] * stride_res + offs[None, :], mask=mask, other=0.0)
+        h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + offs_m[:, None] * stride_new_res + offs[None, :], h, mask=mask)
 
 
 @triton.jit
