@@ -98,10 +98,12 @@ class Model:
         hidden = self.weights.embed[input_ids]  # [num_rows, hidden]
         residual = None
         for i, lw in enumerate(self.weights.layers):
-            # [num_rows, q + 2 kv]; the residual stream (the embedding in the first layer)
-            qkv, residual = self._rms_norm_linear(
-                hidden, lw.input_norm, residual, lw.qkv, lw.qkv_bias
-            )
+            if residual is None:
+                residual = hidden
+                x = ops.rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps)
+            else:
+                x, residual = ops.rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps, residual)
+            qkv = linear(x, lw.qkv, lw.qkv_bias)  # [num_rows, q + 2 kv]
             # q/k head norm (Qwen3), RoPE and the K/V store read qkv in place in one pass.
             q = ops.qk_norm_rope_and_write_kv(
                 qkv,
@@ -127,10 +129,8 @@ class Model:
                 max_q_len=meta.max_q_len,
             )  # [num_rows, num_q_heads, head_dim]
             hidden = linear(attn.reshape(num_rows, cfg.q_size), lw.o_proj)
-            # [num_rows, 2 * intermediate]
-            gate_up, residual = self._rms_norm_linear(
-                hidden, lw.post_norm, residual, lw.gate_up, None
-            )
+            x, residual = ops.rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps, residual)
+            gate_up = linear(x, lw.gate_up)  # [num_rows, 2 * intermediate]
             hidden = self._silu_mul_linear(gate_up, lw.down)
         out, _ = ops.rms_norm(hidden, self.weights.final_norm, cfg.rms_norm_eps, residual)
         return out
@@ -138,26 +138,6 @@ class Model:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32."""
         return self._linear()(hidden, self.weights.lm_head).float()
-
-    def _rms_norm_linear(
-        self,
-        hidden: torch.Tensor,  # [num_rows, hidden]
-        norm_weight: torch.Tensor,  # [hidden]
-        residual: torch.Tensor | None,  # [num_rows, hidden]
-        weight: torch.Tensor,  # [out, hidden]
-        bias: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(rms_norm(h)), h) with h = hidden (+ residual), the next residual: one op (the
-        skinny kernel normalises its input itself where it runs) when linear layers go through
-        the op set."""
-        eps = self.config.rms_norm_eps
-        if self.route_linear_through_ops:
-            return self.ops.rms_norm_linear(hidden, norm_weight, eps, residual, weight, bias)
-        if residual is None:
-            x, h = self.ops.rms_norm(hidden, norm_weight, eps), hidden
-        else:
-            x, h = self.ops.rms_norm(hidden, norm_weight, eps, residual)
-        return torch.nn.functional.linear(x, weight, bias), h
 
     def _silu_mul_linear(
         self,

@@ -35,15 +35,14 @@ def pdl_forced(enabled: bool):
 
 
 def fused_prologue_enabled() -> bool:
-    """Whether linear layers compute their input from its producer's inputs where they run the
-    skinny kernel: the down projection SiLU-and-mul, the projections after a norm the RMSNorm
-    (kernels.skinny_linear.silu_mul_linear and rms_norm_linear: on by default, off with
+    """Whether the MLP's down projection takes SiLU-and-mul as its input prologue where it runs
+    the skinny kernel (kernels.skinny_linear.silu_mul_linear: on by default, off with
     HIPFIRE_FUSED_PROLOGUE=0, read once per process)."""
     return _load("skinny_linear", "fused_prologue_enabled")()
 
 
 def fused_prologue_forced(enabled: bool):
-    """Context manager: those fusions on or off for the launches and graph captures made inside
+    """Context manager: that fusion on or off for the launches and graph captures made inside
     it; a captured graph keeps the launches it was captured with."""
     return _load("skinny_linear", "fused_prologue_forced")(enabled)
 
@@ -54,21 +53,6 @@ def _silu_mul_linear_ref(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.nn.functional.linear(_load("norms", "silu_and_mul_ref")(gate_up), weight, bias)
-
-
-def _rms_norm_linear_ref(
-    hidden: torch.Tensor,  # [M, K]
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    residual: torch.Tensor | None,  # [M, K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    rms_norm = _load("norms", "rms_norm_ref")
-    if residual is None:
-        return torch.nn.functional.linear(rms_norm(hidden, norm_weight, eps), weight, bias), hidden
-    x, h = rms_norm(hidden, norm_weight, eps, residual)
-    return torch.nn.functional.linear(x, weight, bias), h
 
 
 @dataclass(frozen=True)
@@ -82,9 +66,6 @@ class OpSet:
     # linear(silu_and_mul(gate_up), w, bias) as one op (fused where the skinny kernel runs);
     # called only when skinny_linear_enabled(), like `linear`
     silu_mul_linear: object
-    # (linear(rms_norm(h), w, bias), h) with h = hidden (+ residual) as one op (fused where the
-    # skinny kernel runs); called only when skinny_linear_enabled()
-    rms_norm_linear: object
 
 
 def _load(name: str, attr: str):
@@ -100,7 +81,6 @@ def reference_ops() -> OpSet:
         argmax_rows=_load("argmax", "argmax_rows_ref"),
         linear=torch.nn.functional.linear,
         silu_mul_linear=_silu_mul_linear_ref,
-        rms_norm_linear=_rms_norm_linear_ref,
     )
 
 
@@ -113,7 +93,6 @@ def triton_ops() -> OpSet:
         argmax_rows=_load("argmax", "argmax_rows"),
         linear=_load("skinny_linear", "linear"),
         silu_mul_linear=_load("skinny_linear", "silu_mul_linear"),
-        rms_norm_linear=_load("skinny_linear", "rms_norm_linear"),
     )
 
 

@@ -1,7 +1,6 @@
-"""Probe of the skinny linear's input prologues on the decode forward (SiLU-and-mul fused into
-the down projection, RMSNorm into the qkv and gate_up projections): CUDA-graph replays of the
-random-weight Qwen3-8B-shaped target and Qwen3-0.6B-shaped draft model with the fusion off and
-on, PDL on as served.
+"""Probe of SiLU-and-mul fused into the down projection (the skinny linear's gated input
+prologue) on the decode forward: CUDA-graph replays of the random-weight Qwen3-8B-shaped target
+and Qwen3-0.6B-shaped draft model with the fusion off and on, PDL on as served.
 
     python -m kernels.bench_fusion --out DIR [--models qwen3-8b,qwen3-0.6b] [--rows 1,4,16]
 
@@ -9,8 +8,7 @@ Per model and row count (one row per decoding sequence over `--context` tokens o
 KV) it captures two decode graphs in the same process, one under
 `fused_prologue_forced(False)` and one under `fused_prologue_forced(True)`, both under
 `pdl_forced(True)` (executor/graphs.py, the engine's own graphs), counts the fused launches
-of one forward in the second capture (gated: one per layer; normed: two per layer, where the
-skinny kernel runs those projections),
+the second capture made (one per layer where the skinny kernel runs the down projection),
 checks that both graphs give bit-identical logits and times their replays in alternating
 rounds (kernels.bench_pdl's timing: CUDA events, the median of the rounds' means). It prints
 a table and writes DIR/fusion.json and DIR/fusion.md with the GPU, the date and each time as
@@ -36,47 +34,39 @@ ROWS = bench_pdl.ROWS
 FORWARDS_PER_CAPTURE = 3
 
 
-PROLOGUES = {"gated": "silu_mul_skinny_linear", "normed": "rms_norm_skinny_linear"}
-
-
 @contextlib.contextmanager
-def fusion_as_served(fused: bool, counter: dict[str, int] | None = None):
-    """PDL on (where capable), the input prologues on or off; `counter` counts the fused
-    launches made inside the block by prologue ("gated", "normed")."""
+def fusion_as_served(fused: bool, counter: list[int] | None = None):
+    """PDL on (where capable), the gated prologue on or off; `counter[0]` counts the fused
+    launches made inside the block."""
     from kernels import skinny_linear as sl
     from kernels.arch import pdl_forced
 
-    launches = {kind: getattr(sl, name) for kind, name in PROLOGUES.items()}
+    launch = sl.silu_mul_skinny_linear
 
-    def counted(kind: str):
-        def launch(*args, **kwargs):
-            counter[kind] = counter.get(kind, 0) + 1
-            return launches[kind](*args, **kwargs)
-
-        return launch
+    def counted(*args, **kwargs):
+        counter[0] += 1
+        return launch(*args, **kwargs)
 
     if counter is not None:
-        for kind, name in PROLOGUES.items():
-            setattr(sl, name, counted(kind))
+        sl.silu_mul_skinny_linear = counted
     try:
         with pdl_forced(True), sl.fused_prologue_forced(fused):
             yield
     finally:
-        for kind, name in PROLOGUES.items():
-            setattr(sl, name, launches[kind])
+        sl.silu_mul_skinny_linear = launch
 
 
 def record_for(model_name: str, rows: int, times: dict, identical: bool, max_abs_diff: float,
-               fused_launches: dict[str, int]) -> dict:  # fmt: skip
+               fused_launches: int) -> dict:  # fmt: skip
     """bench_pdl's record (off / on are fusion off / on here) and the fused launches of one
-    forward by prologue."""
+    forward's capture."""
     record = bench_pdl.record_for(model_name, rows, times, identical, max_abs_diff)
-    return {**record, **{f"{kind}_launches": fused_launches.get(kind, 0) for kind in PROLOGUES}}
+    return {**record, "fused_launches": fused_launches}
 
 
 _HEADER = (
-    "| model | rows | fusion off us | fusion on us | on / off | saved us | gated / normed "
-    "launches | identical |\n|---|---|---|---|---|---|---|---|"
+    "| model | rows | fusion off us | fusion on us | on / off | saved us | fused launches "
+    "| identical |\n|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -85,8 +75,7 @@ def table_lines(records: list[dict]) -> list[str]:
     for r in records:
         lines.append(
             f"| {r['model']} | {r['rows']} | {r['off_us']:.1f} | {r['on_us']:.1f} | "
-            f"{r['ratio']:.3f} | {r['saved_us']:.1f} | "
-            f"{r['gated_launches']} / {r['normed_launches']} | "
+            f"{r['ratio']:.3f} | {r['saved_us']:.1f} | {r['fused_launches']} | "
             f"{'yes' if r['identical'] else 'NO'} |"
         )
     return lines
@@ -106,9 +95,8 @@ def write_report(out: Path, meta: dict, records: list[dict]) -> dict:
         "sequence, one row per sequence; CUDA-graph replays of the whole forward and LM head, "
         f"median of {meta['rounds']} rounds of {meta['replays']} replays, fusion-off and "
         f"fusion-on graphs alternating, {pdl} (torch {meta['torch']}, Triton "
-        f"{meta['triton']}). Launches per forward that took the gated prologue (SiLU-and-mul "
-        "into the down projection, up to {} rows) and the normed one (RMSNorm into qkv and "
-        "gate_up, up to {} rows).".format(meta["gated_max_rows"], meta["normed_max_rows"]),
+        f"{meta['triton']}). Fused launches: down projections that took the gated prologue in "
+        "one forward's capture.",
         "",
         *table_lines(records),
     ]
@@ -150,18 +138,18 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> li
         batch = bench_pdl.decode_batch(
             rows, 1, args.context, model.config.vocab_size, device, seed=rows
         )
-        counts = {False: {}, True: {}}
+        counts = {False: [0], True: [0]}
         pair = bench_pdl.GraphPair(
             model, kv, batch, switch=lambda on, counts=counts: fusion_as_served(on, counts[on])
         )
-        fused = {kind: n // FORWARDS_PER_CAPTURE for kind, n in counts[True].items()}
-        assert not counts[False], "the fusion-off capture launched a fused kernel"
+        fused_launches = counts[True][0] // FORWARDS_PER_CAPTURE
+        assert counts[False][0] == 0, "the fusion-off capture launched the fused kernel"
         off, on = pair.logits(False), pair.logits(True)
         times = bench_pdl.time_replays(
             {fused: pair.graph(fused) for fused in (False, True)}, args.replays, args.rounds
         )
         diff = float((off - on).abs().max())
-        rec = record_for(name, rows, times, bool(torch.equal(off, on)), diff, fused)
+        rec = record_for(name, rows, times, bool(torch.equal(off, on)), diff, fused_launches)
         print(table_lines([rec])[-1], flush=True)
         records.append(rec)
         del pair
@@ -175,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from kernels.arch import pdl_capable
-    from kernels.skinny_linear import GATED_MAX_ROWS, NORMED_MAX_ROWS
+    from kernels.skinny_linear import FUSED_MAX_ROWS
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -194,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "pdl_capable": capable,
-        "gated_max_rows": GATED_MAX_ROWS,
-        "normed_max_rows": NORMED_MAX_ROWS,
+        "fused_max_rows": FUSED_MAX_ROWS,
         "context_len": args.context,
         "replays": args.replays,
         "rounds": args.rounds,

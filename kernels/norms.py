@@ -17,57 +17,6 @@ from kernels.arch import arch_config, launch_options, pdl_options
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# The sum of squares of an RMSNorm row runs in a fixed order that no layout changes: chunks of
-# SUMSQ_CHUNK elements added one after another, lane by lane, then the chunk's lanes in a
-# pairwise tree. Any kernel that normalises a row through these helpers (the standalone norm,
-# a linear layer that normalises its input tiles itself) gets the same bits.
-SUMSQ_CHUNK = tl.constexpr(256)
-
-
-@triton.jit
-def add_chunk_squares(
-    acc, x_ptr, res_ptr, rows, row_mask, stride_x, stride_res, start, hidden,
-    HAS_RESIDUAL: tl.constexpr,
-):
-    """acc [R, SUMSQ_CHUNK] fp32 plus the squares of h[rows, start : start + SUMSQ_CHUNK], with
-    h = x (+ residual, the sum rounded to x's dtype as the norm rounds it)."""
-    offs = start + tl.arange(0, SUMSQ_CHUNK)  # [CHUNK]
-    mask = row_mask[:, None] & (offs < hidden)[None, :]
-    h = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        res = tl.load(res_ptr + rows[:, None] * stride_res + offs[None, :], mask=mask, other=0.0)
-        h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    hf = h.to(tl.float32)
-    return acc + hf * hf
-
-
-@triton.jit
-def _pair_sum(v, R: tl.constexpr, N: tl.constexpr):
-    """v [R, N] -> [R, N / 2]: lanes 2j and 2j + 1 added."""
-    a, b = tl.split(tl.reshape(v, (R, N // 2, 2)))
-    return a + b
-
-
-@triton.jit
-def chunk_sum(acc, R: tl.constexpr):
-    """acc [R, SUMSQ_CHUNK] -> [R]: the lanes in a pairwise tree (the same order on any
-    layout, unlike tl.sum)."""
-    v = _pair_sum(acc, R, 256)
-    v = _pair_sum(v, R, 128)
-    v = _pair_sum(v, R, 64)
-    v = _pair_sum(v, R, 32)
-    v = _pair_sum(v, R, 16)
-    v = _pair_sum(v, R, 8)
-    v = _pair_sum(v, R, 4)
-    v = _pair_sum(v, R, 2)
-    return tl.reshape(v, (R,))
-
-
-@triton.jit
-def rms_rstd(sum_squares, hidden, eps):
-    return tl.rsqrt(sum_squares / hidden + eps)
-
-
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, eps, hidden,
@@ -83,13 +32,6 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK]
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
-    rows = row + tl.zeros((1,), dtype=tl.int64)  # [1]
-    acc = tl.zeros((1, SUMSQ_CHUNK), dtype=tl.float32)
-    for start in tl.static_range(0, BLOCK, SUMSQ_CHUNK):  # the loads hit the row just read
-        acc = add_chunk_squares(
-            acc, x_ptr, res_ptr, rows, rows >= 0, stride_x, stride_res, start, hidden,
-            HAS_RESIDUAL,
-        )
     if USE_PDL:
         # One row per program, all of them resident at once at decode sizes: the next kernel
         # (a linear layer streaming its weights) may launch as soon as the loads are issued.
@@ -98,7 +40,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(new_res_ptr + row * stride_new_res + offs, x, mask=mask)
     xf = x.to(tl.float32)
-    rstd = rms_rstd(tl.sum(chunk_sum(acc, 1), 0), hidden, eps)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty), mask)
 

@@ -31,10 +31,7 @@ Since every program re-reads its x tiles anyway, the kernel can compute them fro
 inputs instead (`GATED`: x = silu(gate) * up from the MLP's gate_up output, rounded as the
 separate SiLU-and-mul kernel rounds it), so the down projection needs no launch in front of it
 and reads gate_up where it would read x (after the PDL wait, as x). `silu_mul_linear` takes
-that path where `linear` would take the kernel (switch and row limit next to it). Likewise
-`NORMED`: x = rmsnorm(h) * norm_w with h = x (+ residual) for the projections after a norm
-(`rms_norm_linear`): each program sums the squares of its rows over the whole K (a few KB per
-row from L2 at these sizes) in the fixed order of `kernels.norms`, and one program writes h.
+that path where `linear` would take the kernel (switch and row limit next to it).
 """
 
 from __future__ import annotations
@@ -50,7 +47,6 @@ import triton.language as tl
 
 from kernels import norms
 from kernels.arch import pdl_options
-from kernels.norms import SUMSQ_CHUNK, add_chunk_squares, chunk_sum, rms_rstd
 
 MAX_ROWS = 16  # the kernel's row limit; more rows go to cuBLAS
 DOT_ROWS = 16  # tl.dot needs at least 16 along each dimension: rows are padded to this
@@ -88,10 +84,6 @@ def _skinny_linear_kernel(
     out_ptr,
     part_ptr,
     counter_ptr,
-    res_ptr,
-    norm_w_ptr,
-    new_res_ptr,
-    eps,
     num_rows,
     N,
     K,
@@ -99,8 +91,6 @@ def _skinny_linear_kernel(
     stride_xm,
     stride_wn,
     stride_om,
-    stride_res,
-    stride_new_res,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -113,8 +103,6 @@ def _skinny_linear_kernel(
     USE_PDL: tl.constexpr = False,
     PREFETCH_TILES: tl.constexpr = 0,
     GATED: tl.constexpr = False,
-    NORMED: tl.constexpr = False,
-    NORM_RESIDUAL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -136,25 +124,6 @@ def _skinny_linear_kernel(
     # [BLOCK_N, BLOCK_K] tile of W, K contiguous; int64 offsets: lm_head has 622M elements.
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]  # [BLOCK_M, BK]
-    if NORMED:
-        # x = rmsnorm(h) * norm_w with h = x (+ residual): every program sums the squares of
-        # its rows over the whole K in the standalone norm's fixed order (kernels.norms), so
-        # all splits and tiles get the norm kernel's rstd, bit for bit.
-        sum_sq = tl.zeros((BLOCK_M, SUMSQ_CHUNK), dtype=tl.float32)
-        for start in range(0, K, SUMSQ_CHUNK):
-            sum_sq = add_chunk_squares(
-                sum_sq, x_ptr, res_ptr, offs_m, m_mask, stride_xm, stride_res, start, K,
-                NORM_RESIDUAL,
-            )
-        rstd = rms_rstd(chunk_sum(sum_sq, BLOCK_M), K, eps)  # [BLOCK_M]
-        res_ptrs = res_ptr + offs_m[:, None] * stride_res + (k_start + offs_k)[None, :]
-        norm_w_ptrs = norm_w_ptr + k_start + offs_k  # [BLOCK_K]
-        if NORM_RESIDUAL:  # noqa: SIM102 (a compile-time branch around a run-time one)
-            if (pid_n == 0) & (pid_k == 0):  # the new residual h, written by one program
-                _store_residual_sum(
-                    x_ptr, res_ptr, new_res_ptr, offs_m, m_mask, stride_xm, stride_res,
-                    stride_new_res, K, BLOCK_K,
-                )
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -170,20 +139,7 @@ def _skinny_linear_kernel(
             k_mask = (k_start + k + offs_k) < K
             x_mask = m_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if NORMED:
-            h = tl.load(x_ptrs, mask=x_mask, other=0.0)
-            if NORM_RESIDUAL:
-                res = tl.load(res_ptrs, mask=x_mask, other=0.0)
-                h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                res_ptrs += BLOCK_K
-            if EVEN_K:
-                norm_w = tl.load(norm_w_ptrs).to(tl.float32)  # [BLOCK_K]
-            else:
-                norm_w = tl.load(norm_w_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            norm_w_ptrs += BLOCK_K
-            normed = (h.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty)
-            x = (normed.to(tl.float32) * norm_w[None, :]).to(x_ptr.dtype.element_ty)
-        elif GATED:
+        if GATED:
             # x is silu(gate) * up of the gate_up rows (gate at k, up at K + k), rounded as
             # _silu_and_mul_kernel rounds it (silu to the dtype, product in fp32, to the
             # dtype): the same x tile the unfused pair would load, bit for bit.
@@ -237,22 +193,6 @@ def _skinny_linear_kernel(
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _store_residual_sum(
-    x_ptr, res_ptr, new_res_ptr, offs_m, m_mask, stride_xm, stride_res, stride_new_res, K,
-    BLOCK_K: tl.constexpr,
-):
-    """new_res[rows] = x + residual over the whole K, rounded to x's dtype."""
-    offs_k = tl.arange(0, BLOCK_K)
-    for start in range(0, K, BLOCK_K):
-        offs = start + offs_k
-        mask = m_mask[:, None] & (offs < K)[None, :]
-        h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs[None, :], mask=mask, other=0.0)
-        res = tl.load(res_ptr + offs_m[:, None] * stride_res + offs[None, :], mask=mask, other=0.0)
-        h = (h.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(new_res_ptr + offs_m[:, None] * stride_new_res + offs[None, :], h, mask=mask)
 
 
 @triton.jit
@@ -342,43 +282,12 @@ def silu_mul_skinny_linear(
     return _launch(gate_up, weight, bias, config, gated=True)
 
 
-def rms_norm_skinny_linear(
-    hidden: torch.Tensor,  # [M, K], M <= 16
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    residual: torch.Tensor | None,  # [M, K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
-    config: SkinnyConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm(h) @ weight^T (+ bias) with h = hidden (+ residual), in one launch: every
-    program normalises the rows it reads itself (rstd over the whole K, in `kernels.norms`'
-    order) and one program writes h. Returns (out [M, N], h [M, K]; h is `hidden` itself
-    without a residual), bit-identical to `rms_norm` followed by `skinny_linear` with the same
-    config."""
-    assert hidden.dim() == 2 and weight.dim() == 2, "hidden [M, K] and weight [N, K]"
-    k = hidden.shape[1]
-    assert weight.shape[1] == k, f"K mismatch: hidden {tuple(hidden.shape)} weight {weight.shape}"
-    assert norm_weight.shape == (k,) and norm_weight.dtype == hidden.dtype
-    assert norm_weight.stride(0) == 1
-    if residual is None:
-        return _launch(hidden, weight, bias, config, norm=(norm_weight, eps, None, None)), hidden
-    assert residual.shape == hidden.shape and residual.dtype == hidden.dtype
-    assert residual.stride(1) == 1
-    new_res = torch.empty_like(hidden)  # [M, K]
-    out = _launch(hidden, weight, bias, config, norm=(norm_weight, eps, residual, new_res))
-    return out, new_res
-
-
 def _launch(
     x: torch.Tensor,  # [M, K], or [M, 2K] = gate | up when gated
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None,  # [N]
     config: SkinnyConfig | None,
-    gated: bool = False,
-    # (norm weight [K], eps, residual [M, K] | None, new residual [M, K] | None): x is
-    # normalised in the kernel
-    norm: tuple | None = None,
+    gated: bool,
 ) -> torch.Tensor:
     num_rows = x.shape[0]
     n, k = weight.shape
@@ -405,9 +314,6 @@ def _launch(
     last_reduces = counters is not None
     grid = (triton.cdiv(n, cfg.block_n), num_splits)
     pdl = pdl_options(x.device)
-    norm_weight, eps, residual, new_res = norm or (out, 0.0, None, None)
-    residual = residual if residual is not None else out
-    new_res = new_res if new_res is not None else out
     _skinny_linear_kernel[grid](
         x,
         weight,
@@ -415,10 +321,6 @@ def _launch(
         out,
         part,
         counters if last_reduces else out,
-        residual,
-        norm_weight,
-        new_res,
-        eps,
         num_rows,
         n,
         k,
@@ -426,8 +328,6 @@ def _launch(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        residual.stride(0),
-        new_res.stride(0),
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -442,8 +342,6 @@ def _launch(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         GATED=gated,
-        NORMED=norm is not None,
-        NORM_RESIDUAL=new_res is not out,
         **pdl,
     )
     if split and not last_reduces:
@@ -663,17 +561,13 @@ def linear(
     return torch.nn.functional.linear(x, weight, bias)
 
 
-# Input prologues, one launch in place of two where `linear` takes the skinny kernel: the MLP's
-# down projection computes SiLU-and-mul of gate_up itself (up to GATED_MAX_ROWS rows), the
-# projections after an RMSNorm (qkv, gate_up) normalise their input themselves (up to
-# NORMED_MAX_ROWS rows; every program reads whole rows to sum their squares, a cost that grows
-# with the rows). Until the decode forward is measured with them (python -m
-# kernels.bench_fusion), every row count of the skinny kernel takes them.
-# HIPFIRE_FUSED_PROLOGUE=0 turns both off; it is read once per process (start-up compiles what
-# serving launches); `fused_prologue_forced` changes it inside a process, and a graph captured
-# under it keeps the launches it was captured with.
-GATED_MAX_ROWS = MAX_ROWS
-NORMED_MAX_ROWS = MAX_ROWS
+# The MLP's down projection with SiLU-and-mul as its input prologue (one launch in place of
+# two) for the rows where `linear` takes the skinny kernel, up to FUSED_MAX_ROWS rows. Until the
+# decode forward is measured with it (python -m kernels.bench_fusion), every row count of the
+# skinny kernel takes it. HIPFIRE_FUSED_PROLOGUE=0 turns it off; it is read once per process
+# (start-up compiles what serving launches); `fused_prologue_forced` changes it inside a
+# process, and a graph captured under it keeps the launches it was captured with.
+FUSED_MAX_ROWS = MAX_ROWS
 FUSED_PROLOGUE_ENV = "HIPFIRE_FUSED_PROLOGUE"
 _fused_override: list[bool | None] = [None]
 
@@ -684,8 +578,8 @@ def _fused_env_allows() -> bool:
 
 
 def fused_prologue_enabled() -> bool:
-    """Whether `silu_mul_linear` and `rms_norm_linear` fuse now: neither
-    HIPFIRE_FUSED_PROLOGUE=0 nor `fused_prologue_forced(False)` says otherwise."""
+    """Whether `silu_mul_linear` fuses now: neither HIPFIRE_FUSED_PROLOGUE=0 nor
+    `fused_prologue_forced(False)` says otherwise."""
     override = _fused_override[0]
     return _fused_env_allows() if override is None else override
 
@@ -708,10 +602,10 @@ def silu_mul_linear(
 ) -> torch.Tensor:
     """linear(silu_and_mul(gate_up), weight, bias), as one fused launch where `linear` would
     take the skinny kernel for these rows, fusion is on and the rows are at most
-    GATED_MAX_ROWS; the same bits either way. -> [M, N]"""
+    FUSED_MAX_ROWS; the same bits either way. -> [M, N]"""
     num_rows = gate_up.shape[0] if gate_up.dim() == 2 else 0
     if (
-        num_rows <= GATED_MAX_ROWS
+        num_rows <= FUSED_MAX_ROWS
         and gate_up.shape[-1] == 2 * weight.shape[1]
         and fused_prologue_enabled()
     ):
@@ -719,32 +613,3 @@ def silu_mul_linear(
         if cfg is not None:
             return silu_mul_skinny_linear(gate_up, weight, bias, cfg)
     return linear(norms.silu_and_mul(gate_up), weight, bias)
-
-
-def rms_norm_linear(
-    hidden: torch.Tensor,  # [M, K]
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    residual: torch.Tensor | None,  # [M, K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """linear(rms_norm(h), weight, bias) with h = hidden (+ residual), as one fused launch where
-    `linear` would take the skinny kernel for these rows, fusion is on and the rows are at most
-    NORMED_MAX_ROWS; the same bits either way. Returns (out [M, N], h [M, K]: the next
-    residual, `hidden` itself without a residual)."""
-    num_rows = hidden.shape[0] if hidden.dim() == 2 else 0
-    if (
-        num_rows <= NORMED_MAX_ROWS
-        and fused_prologue_enabled()
-        and norm_weight.dtype == hidden.dtype
-        and norm_weight.stride(0) == 1
-        and (residual is None or (residual.dtype == hidden.dtype and residual.stride(1) == 1))
-    ):
-        cfg = _tuned_config(hidden, weight, bias)
-        if cfg is not None:
-            return rms_norm_skinny_linear(hidden, norm_weight, eps, residual, weight, bias, cfg)
-    if residual is None:
-        return linear(norms.rms_norm(hidden, norm_weight, eps), weight, bias), hidden
-    x, h = norms.rms_norm(hidden, norm_weight, eps, residual)
-    return linear(x, weight, bias), h

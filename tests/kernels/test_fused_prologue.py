@@ -1,8 +1,7 @@
-"""The skinny linear's input prologues in Triton's interpreter on the CPU (small shapes,
-fp16/fp32): SiLU-and-mul (GATED) and RMSNorm with or without the residual add (NORMED) fused
-into the launch give the same bits as the separate kernel followed by the skinny linear with
-the same config, and `silu_mul_linear` / `rms_norm_linear` take them exactly where `linear`
-would take the skinny kernel, fusion is on and the rows are within the prologue's limit."""
+"""SiLU-and-mul as the skinny linear's input prologue, in Triton's interpreter on the CPU (small
+shapes, fp16/fp32): the fused launch gives the same bits as silu_and_mul followed by the
+skinny linear with the same config, and `silu_mul_linear` takes it exactly where `linear` would
+take the skinny kernel, fusion is on and the rows are within FUSED_MAX_ROWS."""
 
 from __future__ import annotations
 
@@ -17,14 +16,12 @@ from executor import ops as executor_ops
 from executor.model import AttnMetadata
 from executor.random_model import PRESETS
 from kernels import skinny_linear as sl
-from kernels.norms import rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref
+from kernels.norms import silu_and_mul, silu_and_mul_ref
 from kernels.skinny_linear import (
     MAX_ROWS,
     TUNED,
     SkinnyConfig,
     fused_prologue_forced,
-    rms_norm_linear,
-    rms_norm_skinny_linear,
     silu_mul_linear,
     silu_mul_skinny_linear,
     skinny_linear,
@@ -92,89 +89,12 @@ def test_rejects_a_gate_up_of_the_wrong_width():
         silu_mul_skinny_linear(gate_up.float(), w)  # dtype mismatch
 
 
-def _norm_inputs(num_rows: int, n: int, k: int, dtype: torch.dtype, seed: int):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    hidden = (torch.randn((num_rows, k), generator=gen, device=DEVICE) * 2).to(dtype)
-    residual = torch.randn((num_rows, k), generator=gen, device=DEVICE).to(dtype)
-    norm_w = (1 + 0.3 * torch.randn((k,), generator=gen, device=DEVICE)).to(dtype)
-    w = (torch.randn((n, k), generator=gen, device=DEVICE) * k**-0.5).to(dtype)  # [N, K]
-    return hidden, residual, norm_w, w
-
-
-def _norm_unfused(hidden, norm_w, residual, w, bias, cfg):
-    if residual is None:
-        return skinny_linear(rms_norm(hidden, norm_w, 1e-6), w, bias, cfg), hidden
-    x, h = rms_norm(hidden, norm_w, 1e-6, residual)
-    return skinny_linear(x, w, bias, cfg), h
-
-
-def _assert_same(got: tuple, want: tuple) -> None:
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-
-
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("num_rows", [1, 5, 16])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_normed_equals_rms_norm_then_linear(cfg, dtype, num_rows, with_residual):
-    """Bit for bit (out and the new residual), K = 300: a sum of squares over two chunks of
-    the norm's fixed order and odd tails; and near the torch reference."""
-    if not cfg.use_dot:
-        num_rows = min(num_rows, 4)
-    hidden, residual, norm_w, w = _norm_inputs(num_rows, 40, 300, dtype, seed=num_rows)
-    residual = residual if with_residual else None
-    bias = torch.randn((40,), device=DEVICE).to(dtype)
-    got = rms_norm_skinny_linear(hidden, norm_w, 1e-6, residual, w, bias, cfg)
-    _assert_same(got, _norm_unfused(hidden, norm_w, residual, w, bias, cfg))
-    if residual is None:
-        assert got[1] is hidden
-    x_ref = rms_norm_ref(hidden, norm_w, 1e-6, residual)
-    x_ref = x_ref if residual is None else x_ref[0]
-    ref = torch.nn.functional.linear(x_ref.float(), w.float(), bias.float())
-    assert (got[0].float() - ref).abs().max() <= 2e-2 * max(1.0, ref.abs().max().item())
-
-
-@settings(max_examples=12, deadline=None)
-@given(
-    num_rows=st.integers(1, MAX_ROWS),
-    n_extra=st.integers(0, 15),
-    k=st.integers(16, 600),
-    split_k=st.integers(1, 4),
-    last_reduces=st.booleans(),
-    with_residual=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_normed_any_rows_k_and_split(
-    num_rows, n_extra, k, split_k, last_reduces, with_residual, seed
-):
-    """Every split and column tile normalises with the same rstd: any K (within one chunk of
-    the norm's sum or over several), rows and split give the unfused bits."""
-    cfg = SkinnyConfig(16, 32, split_k, 4, 2, True, last_reduces)
-    hidden, residual, norm_w, w = _norm_inputs(num_rows, 16 + n_extra, k, torch.float32, seed)
-    residual = residual if with_residual else None
-    got = rms_norm_skinny_linear(hidden, norm_w, 1e-6, residual, w, None, cfg)
-    _assert_same(got, _norm_unfused(hidden, norm_w, residual, w, None, cfg))
-
-
-def test_normed_rejects_mismatched_shapes():
-    hidden, residual, norm_w, w = _norm_inputs(2, 16, 32, torch.float16, seed=1)
-    with pytest.raises(AssertionError):
-        rms_norm_skinny_linear(hidden, norm_w[:16], 1e-6, None, w)
-    with pytest.raises(AssertionError):
-        rms_norm_skinny_linear(hidden, norm_w, 1e-6, residual[:, :16], w)
-
-
 @pytest.fixture
 def launches(monkeypatch):
-    """Records which wrapper each `silu_mul_linear` / `rms_norm_linear` call ends in: "fused",
-    "normed" or "linear"."""
+    """Records which wrapper each `silu_mul_linear` call ends in: "fused" or "linear"."""
     calls: list[str] = []
-    fused, normed = sl.silu_mul_skinny_linear, sl.rms_norm_skinny_linear
-    plain = sl.skinny_linear
+    fused, plain = sl.silu_mul_skinny_linear, sl.skinny_linear
     monkeypatch.setattr(sl, "silu_mul_skinny_linear", lambda *a: calls.append("fused") or fused(*a))
-    monkeypatch.setattr(
-        sl, "rms_norm_skinny_linear", lambda *a: calls.append("normed") or normed(*a)
-    )
     monkeypatch.setattr(sl, "skinny_linear", lambda *a: calls.append("linear") or plain(*a))
     return calls
 
@@ -192,7 +112,7 @@ def test_dispatch_follows_the_skinny_path_the_switch_and_the_row_limit(monkeypat
         assert torch.equal(silu_mul_linear(gate_up, w, bias), want)
     assert launches == ["linear"]
     launches.clear()
-    monkeypatch.setattr(sl, "GATED_MAX_ROWS", 4)
+    monkeypatch.setattr(sl, "FUSED_MAX_ROWS", 4)
     assert torch.equal(silu_mul_linear(gate_up[:4], w, bias), _unfused(gate_up[:4], w, bias, cfg))
     assert torch.equal(silu_mul_linear(gate_up[:5], w, bias), _unfused(gate_up[:5], w, bias, cfg))
     assert launches == ["fused", "linear"]
@@ -204,36 +124,6 @@ def test_dispatch_follows_the_skinny_path_the_switch_and_the_row_limit(monkeypat
     other, w_other, _ = _inputs(4, 24, 48, torch.float16, seed=4, with_bias=False)
     assert torch.equal(
         silu_mul_linear(other, w_other), torch.nn.functional.linear(silu_and_mul(other), w_other)
-    )
-    assert launches == []
-
-
-def test_normed_dispatch_follows_the_skinny_path_the_switch_and_the_row_limit(
-    monkeypatch, launches
-):
-    cfg = SkinnyConfig(16, 32, 2, 4, 2, True)
-    for bucket in (1, 2, 4, 8, 16):
-        monkeypatch.setitem(TUNED, (32, 48, bucket), cfg)
-    hidden, residual, norm_w, w = _norm_inputs(8, 32, 48, torch.float16, seed=7)
-    for res in (None, residual):
-        want = _norm_unfused(hidden, norm_w, res, w, None, cfg)
-        _assert_same(rms_norm_linear(hidden, norm_w, 1e-6, res, w), want)
-        with fused_prologue_forced(False):
-            _assert_same(rms_norm_linear(hidden, norm_w, 1e-6, res, w), want)
-    assert launches == ["normed", "linear", "normed", "linear"]
-    launches.clear()
-    monkeypatch.setattr(sl, "NORMED_MAX_ROWS", 2)
-    for rows in (2, 3):
-        want = _norm_unfused(hidden[:rows], norm_w, residual[:rows], w, None, cfg)
-        _assert_same(rms_norm_linear(hidden[:rows], norm_w, 1e-6, residual[:rows], w), want)
-    assert launches == ["normed", "linear"]
-    launches.clear()
-    # an untuned shape stays on torch, after the Triton norm
-    other_w = w[:24]
-    x, h = rms_norm(hidden, norm_w, 1e-6, residual)
-    _assert_same(
-        rms_norm_linear(hidden, norm_w, 1e-6, residual, other_w),
-        (torch.nn.functional.linear(x, other_w), h),
     )
     assert launches == []
 
@@ -254,24 +144,15 @@ def test_the_environment_switch_is_read_once(monkeypatch):
     assert sl.fused_prologue_enabled()  # on by default
 
 
-def test_reference_ops_are_the_torch_norms_then_f_linear():
-    ref_ops = executor_ops.reference_ops()
+def test_reference_op_is_silu_and_mul_then_f_linear():
     gate_up, w, bias = _inputs(3, 16, 24, torch.float32, seed=5, with_bias=True)
-    ref = ref_ops.silu_mul_linear(gate_up, w, bias)
+    ref = executor_ops.reference_ops().silu_mul_linear(gate_up, w, bias)
     assert torch.equal(ref, torch.nn.functional.linear(silu_and_mul_ref(gate_up), w, bias))
-    hidden, residual, norm_w, w = _norm_inputs(3, 16, 24, torch.float32, seed=6)
-    out, h = ref_ops.rms_norm_linear(hidden, norm_w, 1e-6, None, w, bias)
-    assert h is hidden
-    assert torch.equal(out, torch.nn.functional.linear(rms_norm_ref(hidden, norm_w, 1e-6), w, bias))
-    x, h_ref = rms_norm_ref(hidden, norm_w, 1e-6, residual)
-    out, h = ref_ops.rms_norm_linear(hidden, norm_w, 1e-6, residual, w, bias)
-    assert torch.equal(h, h_ref) and torch.equal(out, torch.nn.functional.linear(x, w, bias))
 
 
 def test_forward_with_fusion_on_equals_fusion_off(monkeypatch, launches):
     """A tiny Qwen3 forward on the Triton path with every projection on the skinny kernel (fp16
-    configs of the tiny shapes): the logits of the fused forward (gated down projection, normed
-    qkv and gate_up) are those of the unfused one."""
+    configs of the tiny shapes): the logits of the fused forward are those of the unfused one."""
     cfg = dataclasses.replace(PRESETS["tiny"], num_layers=1)
     model = random_norms_model(cfg, torch.device(DEVICE), torch.float16, max_position=64)
     model.ops, model.route_linear_through_ops = executor_ops.triton_ops(), True
@@ -302,5 +183,4 @@ def test_forward_with_fusion_on_equals_fusion_off(monkeypatch, launches):
             hidden = model.forward(ids, meta, [k_cache.clone()], [v_cache.clone()])
             logits[fused] = model.logits(hidden)
     assert launches.count("fused") == 1  # the one layer's down projection
-    assert launches.count("normed") == 2  # its qkv and gate_up projections
     assert torch.equal(logits[True], logits[False]) and logits[True].isfinite().all()

@@ -28,14 +28,14 @@ def test_arguments_out_of_range_are_refused(tmp_path, bad):
 def test_the_switch_sets_fusion_counts_fused_launches_and_restores():
     gate_up = torch.randn(2, 64, dtype=torch.float16)  # [2, 2I]
     weight = torch.randn(16, 32, dtype=torch.float16)  # [N, I]
-    counter = {}
+    counter = [0]
     launch = sl.silu_mul_skinny_linear
     with bench_fusion.fusion_as_served(False, counter):
         assert not sl.fused_prologue_enabled()
     with bench_fusion.fusion_as_served(True, counter):
         assert sl.fused_prologue_enabled()
         sl.silu_mul_skinny_linear(gate_up, weight, None, sl.SkinnyConfig(16, 32, 1, 4, 2, True))
-    assert counter == {"gated": 1}
+    assert counter == [1]
     assert sl.silu_mul_skinny_linear is launch and sl.fused_prologue_enabled()
 
 
@@ -48,26 +48,23 @@ def _times(off: float, on: float) -> dict:
 
 def test_record_and_report_from_made_up_timings(tmp_path):
     records = [
-        bench_fusion.record_for(
-            "qwen3-8b", 1, _times(4650.0, 4560.0), True, 0.0, {"gated": 36, "normed": 72}
-        ),
-        bench_fusion.record_for("qwen3-0.6b", 16, _times(1200.0, 1230.0), False, 0.5, {}),
+        bench_fusion.record_for("qwen3-8b", 1, _times(4650.0, 4560.0), True, 0.0, 36),
+        bench_fusion.record_for("qwen3-0.6b", 16, _times(1200.0, 1230.0), False, 0.5, 28),
     ]
     assert records[0]["ratio"] == round(4560 / 4650, 4) and records[0]["saved_us"] == 90.0
-    assert records[1]["saved_us"] == -30.0 and records[1]["normed_launches"] == 0
+    assert records[1]["saved_us"] == -30.0 and records[1]["fused_launches"] == 28
     meta = {
         "device": "Test GPU", "date": "2026-11-30 04:00 UTC", "torch": "t", "triton": "3.6.0",
-        "pdl_capable": True, "gated_max_rows": 16, "normed_max_rows": 4, "context_len": 1024,
-        "replays": 40, "rounds": 5, "wall_s": 1.0,
+        "pdl_capable": True, "fused_max_rows": 16, "context_len": 1024, "replays": 40,
+        "rounds": 5, "wall_s": 1.0,
     }  # fmt: skip
     bench_fusion.write_report(tmp_path, meta, records)
     saved = json.loads((tmp_path / "fusion.json").read_text())
     assert saved["device"] == "Test GPU" and saved["records"] == records
     md = (tmp_path / "fusion.md").read_text()
     assert "Test GPU, 2026-11-30 04:00 UTC" in md and "PDL on" in md
-    assert "up to 16 rows" in md and "up to 4 rows" in md
-    assert "| qwen3-8b | 1 | 4650.0 | 4560.0 | 0.981 | 90.0 | 36 / 72 | yes |" in md
-    assert "| qwen3-0.6b | 16 | 1200.0 | 1230.0 | 1.025 | -30.0 | 0 / 0 | NO |" in md
+    assert "| qwen3-8b | 1 | 4650.0 | 4560.0 | 0.981 | 90.0 | 36 | yes |" in md
+    assert "| qwen3-0.6b | 16 | 1200.0 | 1230.0 | 1.025 | -30.0 | 28 | NO |" in md
     bench_fusion.write_report(tmp_path, {**meta, "pdl_capable": False}, records)
     assert "PDL unavailable" in (tmp_path / "fusion.md").read_text()
 

@@ -40,7 +40,7 @@ KERNELS_PER_LAYER_BEFORE = 12
 
 
 # ops whose torch GEMMs are logged as torch ops, with the most Triton launches they make
-_GEMM_OPS = {"linear": 1, "silu_mul_linear": 2, "rms_norm_linear": 2}
+_GEMM_OPS = {"linear": 1, "silu_mul_linear": 2}
 
 
 class _KernelLog(TorchDispatchMode):
@@ -85,8 +85,7 @@ def _logged(model: Model, monkeypatch):
     def wrap(name, fn):
         def call(*args, **kwargs):
             # linear: the skinny kernel where tuned, else torch's GEMM (logged as a torch op);
-            # silu_mul_linear, rms_norm_linear: the fused skinny kernel, else the Triton
-            # silu_and_mul or rms_norm and that linear
+            # silu_mul_linear: the fused skinny kernel, else silu_and_mul and that linear
             inside[0] = name not in _GEMM_OPS
             launches.clear()
             try:
