@@ -130,25 +130,13 @@ class Model:
             )  # [num_rows, num_q_heads, head_dim]
             hidden = linear(attn.reshape(num_rows, cfg.q_size), lw.o_proj)
             x, residual = ops.rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps, residual)
-            gate_up = linear(x, lw.gate_up)  # [num_rows, 2 * intermediate]
-            hidden = self._silu_mul_linear(gate_up, lw.down)
+            hidden = linear(ops.silu_and_mul(linear(x, lw.gate_up)), lw.down)
         out, _ = ops.rms_norm(hidden, self.weights.final_norm, cfg.rms_norm_eps, residual)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32."""
         return self._linear()(hidden, self.weights.lm_head).float()
-
-    def _silu_mul_linear(
-        self,
-        gate_up: torch.Tensor,  # [num_rows, 2 * intermediate]
-        down: torch.Tensor,  # [hidden, intermediate]
-    ) -> torch.Tensor:
-        """The down projection of SiLU(gate) * up: one op (the skinny kernel computes its input
-        from gate_up where it runs) when linear layers go through the op set."""
-        if self.route_linear_through_ops:
-            return self.ops.silu_mul_linear(gate_up, down)
-        return torch.nn.functional.linear(self.ops.silu_and_mul(gate_up), down)
 
     def _linear(self):
         """The linear layers' GEMM: the op set's (skinny kernel where it measured faster) when

@@ -34,27 +34,6 @@ def pdl_forced(enabled: bool):
     return _load("arch", "pdl_forced")(enabled)
 
 
-def fused_prologue_enabled() -> bool:
-    """Whether the MLP's down projection takes SiLU-and-mul as its input prologue where it runs
-    the skinny kernel (kernels.skinny_linear.silu_mul_linear: on by default, off with
-    HIPFIRE_FUSED_PROLOGUE=0, read once per process)."""
-    return _load("skinny_linear", "fused_prologue_enabled")()
-
-
-def fused_prologue_forced(enabled: bool):
-    """Context manager: that fusion on or off for the launches and graph captures made inside
-    it; a captured graph keeps the launches it was captured with."""
-    return _load("skinny_linear", "fused_prologue_forced")(enabled)
-
-
-def _silu_mul_linear_ref(
-    gate_up: torch.Tensor,  # [M, 2I]
-    weight: torch.Tensor,  # [N, I]
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return torch.nn.functional.linear(_load("norms", "silu_and_mul_ref")(gate_up), weight, bias)
-
-
 @dataclass(frozen=True)
 class OpSet:
     rms_norm: object
@@ -63,9 +42,6 @@ class OpSet:
     verify_attention: object
     argmax_rows: object
     linear: object  # F.linear's signature; the model calls it only when skinny_linear_enabled()
-    # linear(silu_and_mul(gate_up), w, bias) as one op (fused where the skinny kernel runs);
-    # called only when skinny_linear_enabled(), like `linear`
-    silu_mul_linear: object
 
 
 def _load(name: str, attr: str):
@@ -80,7 +56,6 @@ def reference_ops() -> OpSet:
         verify_attention=_load("attention", "verify_attention_ref"),
         argmax_rows=_load("argmax", "argmax_rows_ref"),
         linear=torch.nn.functional.linear,
-        silu_mul_linear=_silu_mul_linear_ref,
     )
 
 
@@ -92,7 +67,6 @@ def triton_ops() -> OpSet:
         verify_attention=_load("attention", "verify_attention"),
         argmax_rows=_load("argmax", "argmax_rows"),
         linear=_load("skinny_linear", "linear"),
-        silu_mul_linear=_load("skinny_linear", "silu_mul_linear"),
     )
 
 

@@ -103,27 +103,24 @@ def random_caches(model, num_blocks: int, *, seed: int = 0):
 
 
 class GraphPair:
-    """The same decode round captured twice (engine graphs, each with its own static buffers):
-    graph False under `switch(False)`, graph True under `switch(True)`; `switch` defaults to
-    `pdl_forced` (PDL off and on). `graph(on)` is one of the two, `logits(on)` runs the round
-    on it."""
+    """The same decode round captured twice, with PDL off and on (engine graphs, each with its
+    own static buffers): `graph(pdl)` is one of the two, `logits(pdl)` runs the round on it."""
 
-    def __init__(self, model, kv, batch: DecodeBatch, switch=None):
+    def __init__(self, model, kv, batch: DecodeBatch):
         from executor.graphs import DecodeGraphs, bucket_for
         from kernels.arch import pdl_forced
 
-        switch = switch or pdl_forced
         num_seqs = batch.seq_lens.shape[0]
         self.bucket = bucket_for(batch.num_rows)
         self.graphs = {}
-        for on in (False, True):
+        for pdl in (False, True):
             graphs = DecodeGraphs(
                 model, kv.k, kv.v, max_seqs=num_seqs,
                 max_blocks_per_seq=batch.block_tables.shape[1], max_rows=self.bucket,
             )  # fmt: skip
-            with switch(on):  # decided at capture: the graph keeps its launches
+            with pdl_forced(pdl):  # decided at capture: the graph keeps its launches
                 self._run(graphs, batch)
-            self.graphs[on] = graphs
+            self.graphs[pdl] = graphs
         self.batch = batch
 
     @staticmethod
@@ -133,12 +130,12 @@ class GraphPair:
             batch.cu_q_lens, batch.seq_lens, batch.block_tables, max_q_len=batch.q_len,
         )  # fmt: skip
 
-    def logits(self, on: bool) -> torch.Tensor:
+    def logits(self, pdl: bool) -> torch.Tensor:
         """Runs the round (inputs copied into the graph's buffers, one replay); [rows, vocab]."""
-        return self._run(self.graphs[on], self.batch).clone()
+        return self._run(self.graphs[pdl], self.batch).clone()
 
-    def graph(self, on: bool) -> torch.cuda.CUDAGraph:
-        (graph, _), = self.graphs[on].graphs.values()
+    def graph(self, pdl: bool) -> torch.cuda.CUDAGraph:
+        (graph, _), = self.graphs[pdl].graphs.values()
         return graph
 
 

@@ -26,26 +26,16 @@ x or touches the partials, the tile counters or out, and lets the next kernel la
 weights are streamed; a launch thus ends only after the one before it. Accumulation is
 fp32; output has x's dtype. The model reaches the kernel through `linear`, which takes it only
 for shapes and row counts with a measured win in `TUNED`.
-
-Since every program re-reads its x tiles anyway, the kernel can compute them from the producer's
-inputs instead (`GATED`: x = silu(gate) * up from the MLP's gate_up output, rounded as the
-separate SiLU-and-mul kernel rounds it), so the down projection needs no launch in front of it
-and reads gate_up where it would read x (after the PDL wait, as x). `silu_mul_linear` takes
-that path where `linear` would take the kernel (switch and row limit next to it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import norms
 from kernels.arch import pdl_options
 
 MAX_ROWS = 16  # the kernel's row limit; more rows go to cuBLAS
@@ -102,7 +92,6 @@ def _skinny_linear_kernel(
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     PREFETCH_TILES: tl.constexpr = 0,
-    GATED: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -139,16 +128,7 @@ def _skinny_linear_kernel(
             k_mask = (k_start + k + offs_k) < K
             x_mask = m_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if GATED:
-            # x is silu(gate) * up of the gate_up rows (gate at k, up at K + k), rounded as
-            # _silu_and_mul_kernel rounds it (silu to the dtype, product in fp32, to the
-            # dtype): the same x tile the unfused pair would load, bit for bit.
-            gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (act * up).to(x_ptr.dtype.element_ty)
-        else:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         if USE_DOT:
             acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, BLOCK_M]
         else:
@@ -259,38 +239,9 @@ def skinny_linear(
 ) -> torch.Tensor:
     """x @ weight^T (+ bias) -> [M, N] in x's dtype, accumulated in fp32."""
     assert x.dim() == 2 and weight.dim() == 2, "x [M, K] and weight [N, K]"
-    assert weight.shape[1] == x.shape[1], (
-        f"K mismatch: x {tuple(x.shape)} weight {tuple(weight.shape)}"
-    )
-    return _launch(x, weight, bias, config, gated=False)
-
-
-def silu_mul_skinny_linear(
-    gate_up: torch.Tensor,  # [M, 2K] = gate | up, M <= 16
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
-    config: SkinnyConfig | None = None,
-) -> torch.Tensor:
-    """(silu(gate) * up) @ weight^T (+ bias) -> [M, N] in one launch: the kernel computes its x
-    tiles from gate_up instead of loading them, bit-identical to `silu_and_mul` followed by
-    `skinny_linear` with the same config (the MLP's down projection without its input
-    round trip)."""
-    assert gate_up.dim() == 2 and weight.dim() == 2, "gate_up [M, 2K] and weight [N, K]"
-    assert gate_up.shape[1] == 2 * weight.shape[1], (
-        f"gate_up {tuple(gate_up.shape)} is not gate | up of weight {tuple(weight.shape)}"
-    )
-    return _launch(gate_up, weight, bias, config, gated=True)
-
-
-def _launch(
-    x: torch.Tensor,  # [M, K], or [M, 2K] = gate | up when gated
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N]
-    config: SkinnyConfig | None,
-    gated: bool,
-) -> torch.Tensor:
-    num_rows = x.shape[0]
-    n, k = weight.shape
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k, f"K mismatch: x {tuple(x.shape)} weight {tuple(weight.shape)}"
     assert 1 <= num_rows <= MAX_ROWS, f"1..{MAX_ROWS} rows, got {num_rows}"
     assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
     assert x.stride(1) == 1 and weight.stride(1) == 1, "K must be contiguous"
@@ -341,7 +292,6 @@ def _launch(
         PREFETCH_TILES=cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        GATED=gated,
         **pdl,
     )
     if split and not last_reduces:
@@ -524,14 +474,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tuned_config(
-    x: torch.Tensor,  # [M, K] (or gate | up [M, 2K])
+def linear(
+    x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N]
-) -> SkinnyConfig | None:
-    """The measured winner in `TUNED` for the weight's shape and x's row count where the
-    skinny kernel can take x (contiguous fp16/bf16, 1-16 rows) on a GPU it was tuned on; None
-    where torch's F.linear stays."""
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """F.linear, with the skinny kernel where `TUNED` holds a measured winner for the weight's
+    shape and the row count (contiguous fp16/bf16, 1-16 rows); everything else goes to torch.
+    -> [M, N]"""
     num_rows = x.shape[0] if x.dim() == 2 else 0
     if (
         1 <= num_rows <= MAX_ROWS
@@ -543,73 +493,5 @@ def _tuned_config(
     ):
         cfg = TUNED.get((weight.shape[0], weight.shape[1], row_bucket(num_rows)))
         if cfg is not None and tuned_here(x.device):
-            return cfg
-    return None
-
-
-def linear(
-    x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:
-    """F.linear, with the skinny kernel where `TUNED` holds a measured winner for the weight's
-    shape and the row count (contiguous fp16/bf16, 1-16 rows); everything else goes to torch.
-    -> [M, N]"""
-    cfg = _tuned_config(x, weight, bias)
-    if cfg is not None:
-        return skinny_linear(x, weight, bias, cfg)
+            return skinny_linear(x, weight, bias, cfg)
     return torch.nn.functional.linear(x, weight, bias)
-
-
-# The MLP's down projection with SiLU-and-mul as its input prologue (one launch in place of
-# two) for the rows where `linear` takes the skinny kernel, up to FUSED_MAX_ROWS rows. Until the
-# decode forward is measured with it (python -m kernels.bench_fusion), every row count of the
-# skinny kernel takes it. HIPFIRE_FUSED_PROLOGUE=0 turns it off; it is read once per process
-# (start-up compiles what serving launches); `fused_prologue_forced` changes it inside a
-# process, and a graph captured under it keeps the launches it was captured with.
-FUSED_MAX_ROWS = MAX_ROWS
-FUSED_PROLOGUE_ENV = "HIPFIRE_FUSED_PROLOGUE"
-_fused_override: list[bool | None] = [None]
-
-
-@functools.lru_cache(maxsize=1)
-def _fused_env_allows() -> bool:
-    return os.environ.get(FUSED_PROLOGUE_ENV, "1") != "0"
-
-
-def fused_prologue_enabled() -> bool:
-    """Whether `silu_mul_linear` fuses now: neither HIPFIRE_FUSED_PROLOGUE=0 nor
-    `fused_prologue_forced(False)` says otherwise."""
-    override = _fused_override[0]
-    return _fused_env_allows() if override is None else override
-
-
-@contextlib.contextmanager
-def fused_prologue_forced(enabled: bool):
-    """Fusion on or off for the launches and graph captures made inside the block."""
-    saved = _fused_override[0]
-    _fused_override[0] = enabled
-    try:
-        yield
-    finally:
-        _fused_override[0] = saved
-
-
-def silu_mul_linear(
-    gate_up: torch.Tensor,  # [M, 2I] = gate | up
-    weight: torch.Tensor,  # [N, I]
-    bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:
-    """linear(silu_and_mul(gate_up), weight, bias), as one fused launch where `linear` would
-    take the skinny kernel for these rows, fusion is on and the rows are at most
-    FUSED_MAX_ROWS; the same bits either way. -> [M, N]"""
-    num_rows = gate_up.shape[0] if gate_up.dim() == 2 else 0
-    if (
-        num_rows <= FUSED_MAX_ROWS
-        and gate_up.shape[-1] == 2 * weight.shape[1]
-        and fused_prologue_enabled()
-    ):
-        cfg = _tuned_config(gate_up, weight, bias)
-        if cfg is not None:
-            return silu_mul_skinny_linear(gate_up, weight, bias, cfg)
-    return linear(norms.silu_and_mul(gate_up), weight, bias)
