@@ -5,13 +5,35 @@ as Python and never sees what only the compiler rejects (types that differ betwe
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_compile_check(module: str) -> str:
+    """Runs a compile-check module in a fresh interpreter (no TRITON_INTERPRET); its stdout.
+    Fails the calling test with the module's output tail when it exits non-zero."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the GPU default; silences the 3.9 notice
+    proc = subprocess.run(
+        [sys.executable, "-m", module],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
 
 
 def ast_source(

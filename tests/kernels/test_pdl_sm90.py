@@ -11,9 +11,7 @@ test below does that in a fresh interpreter.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -295,18 +293,9 @@ def _nvidia_backend_available() -> bool:
 @pytest.mark.skipif(not _nvidia_backend_available(), reason="Triton without its NVIDIA backend")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real")
 def test_pdl_kernels_wait_before_touching_earlier_kernels_data():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the GPU default; silences the 3.9 notice
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.test_pdl_sm90"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("ok ") == 14
+    from tests.kernels.sm90 import run_compile_check
+
+    assert run_compile_check("tests.kernels.test_pdl_sm90").count("ok ") == 14
 
 
 if __name__ == "__main__":

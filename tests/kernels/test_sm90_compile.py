@@ -4,15 +4,13 @@ must also fit as many programs per SM as the split rule counts (`attention_sm90_
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.kernels.attention_sm90_compile import SHAPES
+from tests.kernels.sm90 import run_compile_check
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,25 +29,9 @@ pytestmark = [
 ]
 
 
-def _compile_check(module: str) -> str:
-    """Runs a compile-check module in a fresh interpreter (no TRITON_INTERPRET); its stdout."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the GPU default; silences the 3.9 notice
-    proc = subprocess.run(
-        [sys.executable, "-m", module],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_fused_qk_kernel_compiles_for_sm90():
-    assert _compile_check("tests.kernels.sm90_compile").count("ok ") == 11
+    assert run_compile_check("tests.kernels.sm90_compile").count("ok ") == 11
 
 
 def test_hopper_attention_launches_compile_and_fit_their_programs_per_sm():
-    assert _compile_check("tests.kernels.attention_sm90_compile").count("ok ") == len(SHAPES)
+    assert run_compile_check("tests.kernels.attention_sm90_compile").count("ok ") == len(SHAPES)
