@@ -1,7 +1,8 @@
 """Benchmark of the verify-pass kernels on one GPU; writes a JSON record and prints a table.
 
     python -m kernels.bench --out DIR [--tune] [--quick] [--tiles block_n=64,num_stages=2]
-    python -m kernels.bench --out DIR --sweep [--shapes 16x8192x16x8,1x1024x16x8]
+    python -m kernels.bench --out DIR --sweep [--variants rules|schedule|m32] [--shapes ...]
+    python -m kernels.bench --out DIR --small-only             # norms, RoPE, top-k, accept
     python -m kernels.bench --render docs/perf/kernels.json   # Markdown tables of a record
 
 Verify attention is timed at contexts 1k/8k/32k, rows per sequence 1/8/16, batch 1/16/64,
@@ -21,7 +22,9 @@ launches, the time of the merge kernel alone. `--sweep` checks the tile rules of
 `plan_launch` instead of running the grid: per shape (RULE_SHAPES or `--shapes`) it times every
 candidate launch the rules choose between (RULE_VARIANTS: 128- against 64- and 32-vector tiles,
 2 against 3 stages, short contexts' short splits against 512-token ones) and the launch the
-committed entry picks, each checked against SDPA, and writes sweep.json and sweep.md. Every
+committed entry picks, each checked against SDPA, and writes sweep.json and sweep.md;
+`--variants schedule` swaps in the 128-vector tile's schedule switches (SCHEDULE_VARIANTS) and
+`--variants m32` the split rule's count of 32-vector programs per SM (M32_VARIANTS). Every
 kernel variant is compiled first in parallel worker processes (`kernels.bench_compile`), so the
 GPU machine's time goes to timing rather than to one-at-a-time compilation.
 """
