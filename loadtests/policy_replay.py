@@ -28,10 +28,13 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def priced_finish(engine, profile, noise: float, rng: random.Random):
+def priced_finish(
+    engine, profile, noise: float, rng: random.Random, spec_bias: float = 1.0
+):
     """Wraps `engine.executor.finish` so that each round reports the profile's price of its
     plan (the executor's part: without the engine's host time around a speculating round)
-    times exp(N(0, noise)) as its measured time."""
+    times exp(N(0, noise)) as its measured time; a speculating round's price times
+    `spec_bias` (a device where speculating rounds cost more than the profile says)."""
     import msgspec
 
     finish = engine.executor.finish
@@ -47,6 +50,7 @@ def priced_finish(engine, profile, noise: float, rng: random.Random):
         )
         if depth:
             ms -= profile.round_spec_host_ms(plan.num_rows, prefill_rows, num_spec, depth)
+            ms *= spec_bias
         ms *= math.exp(rng.gauss(0.0, noise)) if noise > 0 else 1.0
         timings = msgspec.structs.replace(result.timings, total_ms=ms)
         return msgspec.structs.replace(result, timings=timings)
@@ -72,6 +76,7 @@ def replay(
     max_tokens: int = 128,
     seeds: int = 2,
     acceptance: str | None = None,
+    spec_bias: float = 1.0,
 ) -> dict:
     """Engine and simulator on the same workload and profile -> their speculating shares."""
     from executor.drafters.synthetic import SyntheticDrafter
@@ -119,7 +124,7 @@ def replay(
             )
         )
         engine.executor.finish = priced_finish(
-            engine, ProfileCost(profile), noise, random.Random(cfg.seed)
+            engine, ProfileCost(profile), noise, random.Random(cfg.seed), spec_bias
         )
         install(
             engine,
@@ -159,6 +164,7 @@ def replay(
         "cohort": cohort,
         "concurrency": concurrency,
         "noise": noise,
+        "spec_bias": spec_bias,
         "engine_spec_share": round(spec_share(s.route for s in steps), 4),
         "sim_spec_shares": [round(x, 4) for x in sim_shares],
         "num_failed": num_failed,
@@ -174,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seeds", type=int, default=2, help="simulator runs")
+    ap.add_argument(
+        "--spec-bias",
+        type=float,
+        default=1.0,
+        help="speculating rounds cost this many times the profile's price (engine side only)",
+    )
     args = ap.parse_args(argv)
     if not Path(args.profile).is_file():
         print(f"policy_replay: no such profile: {args.profile}", file=sys.stderr)
@@ -186,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_len=args.prompt_len,
         max_tokens=args.max_tokens,
         seeds=args.seeds,
+        spec_bias=args.spec_bias,
     )
     print(json.dumps(out))
     return 0

@@ -28,3 +28,36 @@ def test_a_missing_profile_is_a_one_line_error(tmp_path, capsys):
 def test_spec_share_counts_decoding_request_rounds():
     assert policy_replay.spec_share(r for r in ["SSA", "PA", "AA"]) == 2 / 6
     assert policy_replay.spec_share([]) == 0.0
+
+
+def test_priced_finish_charges_speculating_rounds_the_bias():
+    """A speculating round reports its price times the bias; an AR round its plain price."""
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from scheduler.cost_model import ProfileCost
+    from scheduler.plan import Emitted, PhaseTimes, RoundResult
+
+    profile = ProfileCost.from_file(PROFILE)
+    out = Emitted.build([], [], [], [], [])
+    result = RoundResult(
+        round_id=0, out=out, timings=PhaseTimes(total_ms=123.0), num_rows=0, num_padded_rows=0,
+        num_kv_tokens=0,
+    )  # fmt: skip
+
+    def plan(num_draft):
+        decode = SimpleNamespace(num_draft=np.array(num_draft))
+        spec = int(max(num_draft)) + 1
+        return SimpleNamespace(
+            decode=decode, spec_depth=spec, prefills=(), num_rows=sum(num_draft) + len(num_draft),
+            num_kv_tokens=4096,
+        )  # fmt: skip
+
+    engine = SimpleNamespace(executor=SimpleNamespace(finish=lambda launched: result))
+    fair = policy_replay.priced_finish(engine, profile, 0.0, random.Random(0))
+    dear = policy_replay.priced_finish(engine, profile, 0.0, random.Random(0), spec_bias=1.5)
+    spec, ar = SimpleNamespace(plan=plan([3, 3])), SimpleNamespace(plan=plan([0, 0]))
+    assert dear(spec).timings.total_ms == 1.5 * fair(spec).timings.total_ms
+    assert dear(ar).timings.total_ms == fair(ar).timings.total_ms
