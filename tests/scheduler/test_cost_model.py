@@ -84,14 +84,17 @@ def test_unseen_shapes_keep_the_profile_and_get_reprobed():
     assert model.confidence(512, True) < 0.1 * CALIB_PRIOR_COUNT
 
 
+# candidates of one planned round: (draft rows, depth, speculating requests, lag rows)
+PLANNER_CELLS = st.lists(
+    st.tuples(st.integers(0, 900), st.integers(1, 7), st.integers(1, 200), st.integers(0, 400)),
+    min_size=1,
+    max_size=6,
+)
+
 @given(
     base_rows=st.integers(1, 3000),
     prefill=st.sampled_from([0, 0, 300]),
-    cells=st.lists(
-        st.tuples(st.integers(0, 900), st.integers(1, 7), st.integers(1, 200), st.integers(0, 400)),
-        min_size=1,
-        max_size=6,
-    ),
+    cells=PLANNER_CELLS,
 )
 def test_planner_grid_matches_predict_ms(base_rows, prefill, cells):
     model = CostModel(PROFILE, drafter_prefill=True)
@@ -565,11 +568,7 @@ def test_spec_tables_price_alike_on_every_path(
 @given(
     base_rows=st.integers(1, 2000),
     prefill=st.sampled_from([0, 0, 300]),
-    cells=st.lists(
-        st.tuples(st.integers(0, 900), st.integers(1, 7), st.integers(1, 200), st.integers(0, 400)),
-        min_size=1,
-        max_size=6,
-    ),
+    cells=PLANNER_CELLS,
 )
 def test_planner_terms_with_spec_tables_match_predict_ms(base_rows, prefill, cells):
     model = CostModel(NOISY, drafter_prefill=True)

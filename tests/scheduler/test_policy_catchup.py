@@ -17,7 +17,6 @@ from scheduler.depth_planner import Catchup, plan_depths, prefix_catchup_ms
 from scheduler.policy import (
     CATCHUP_HORIZON_ROUNDS,
     AdaptivePolicy,
-    DecodeView,
     SpecStretches,
     amortized_catchup_ms,
     catchup_share,
@@ -25,34 +24,14 @@ from scheduler.policy import (
     joint_catchup_ms,
 )
 from tests.scheduler.test_policy_check import MODEL_1130 as MODEL
+from tests.scheduler.test_policy_check import decode_view
 
 PROFILE = MODEL.profile
 PASS_CAPACITY = PROFILE.catchup_rows_per_pass * PROFILE.max_catchup_passes  # 32 rows
 
 
 def _view(n=8, lag=1000, remaining=120, num_prefill_rows=0, was_spec=False, in_dwell=False):
-    kv = n * 1000 + num_prefill_rows
-    base_rows = n + num_prefill_rows
-    return DecodeView(
-        req_ids=np.arange(n),
-        slots=np.arange(n),
-        num_remaining=np.full(n, remaining),
-        drafter_lag=np.broadcast_to(np.asarray(lag, dtype=np.int64), (n,)).copy(),
-        may_spec=np.ones(n, dtype=bool),
-        must_spec=np.zeros(n, dtype=bool),
-        was_spec=np.broadcast_to(np.asarray(was_spec), (n,)).copy(),
-        in_dwell=np.broadcast_to(np.asarray(in_dwell), (n,)).copy(),
-        weights=np.ones(n),
-        max_drafts=7,
-        base_rows=base_rows,
-        base_kv_tokens=kv,
-        base_tokens=float(n),
-        num_prefill_rows=num_prefill_rows,
-        num_live=n,
-        cohort_changed=False,
-        draining=False,
-        rate_bar=0.0,
-    )
+    return decode_view(n, lag, remaining, num_prefill_rows, was_spec=was_spec, in_dwell=in_dwell)
 
 
 def _code_estimator(n: int) -> AcceptanceEstimator:

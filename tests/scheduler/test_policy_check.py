@@ -118,7 +118,18 @@ def test_profile_variants():
     assert float(ngram.draft_step_ms(np.array([1000]))[0]) == 0.0
 
 
-def _view(n=4, lag=0, remaining=100, num_prefill_rows=0, num_live=None, rate_bar=0.0):
+def decode_view(
+    n=4,
+    lag=0,
+    remaining=100,
+    num_prefill_rows=0,
+    num_live=None,
+    rate_bar=0.0,
+    was_spec=False,
+    in_dwell=False,
+):
+    """A round of n decoding requests with 1000 tokens of context each (and a prefill chunk of
+    `num_prefill_rows`); `rate_bar`: the uplift over the round's AR rate (priced by MODEL)."""
     kv = n * 1000 + num_prefill_rows
     base_rows = n + num_prefill_rows
     ar_ms = MODEL.predict_ms_scalar(base_rows, kv, 0, 0, 0, num_prefill_rows)
@@ -126,11 +137,11 @@ def _view(n=4, lag=0, remaining=100, num_prefill_rows=0, num_live=None, rate_bar
         req_ids=np.arange(n),
         slots=np.arange(n),
         num_remaining=np.full(n, remaining),
-        drafter_lag=np.full(n, lag, dtype=np.int64),
+        drafter_lag=np.broadcast_to(np.asarray(lag, dtype=np.int64), (n,)).copy(),
         may_spec=np.ones(n, dtype=bool),
         must_spec=np.zeros(n, dtype=bool),
-        was_spec=np.zeros(n, dtype=bool),
-        in_dwell=np.zeros(n, dtype=bool),
+        was_spec=np.broadcast_to(np.asarray(was_spec), (n,)).copy(),
+        in_dwell=np.broadcast_to(np.asarray(in_dwell), (n,)).copy(),
         weights=np.ones(n),
         max_drafts=7,
         base_rows=base_rows,
@@ -140,15 +151,16 @@ def _view(n=4, lag=0, remaining=100, num_prefill_rows=0, num_live=None, rate_bar
         num_live=num_live or n,
         cohort_changed=False,
         draining=False,
-        rate_bar=rate_bar * n / ar_ms,  # rate_bar: the uplift over the round's AR rate
+        rate_bar=rate_bar * n / ar_ms,
     )
+
 
 
 def test_catchup_is_spread_over_the_requests_own_spec_rounds():
     step = MODEL.profile.draft_step_ms
     survival = np.cumprod(np.full((4, 7), 0.8), axis=1)
-    assert not amortized_catchup_ms(_view(lag=0), survival, MODEL).any()
-    view = _view(lag=1000, remaining=100)
+    assert not amortized_catchup_ms(decode_view(lag=0), survival, MODEL).any()
+    view = decode_view(lag=1000, remaining=100)
     charge = amortized_catchup_ms(view, survival, MODEL)
     whole = step(np.array([4 + 1000])) - step(np.array([4]))  # one request's catch-up, in ms
     rounds = 100 / (1 + survival[0].sum())  # its remaining tokens at its tokens per round
@@ -157,8 +169,9 @@ def test_catchup_is_spread_over_the_requests_own_spec_rounds():
     better = np.cumprod(np.full((4, 7), 0.95), axis=1)
     assert (amortized_catchup_ms(view, better, MODEL) > charge).all()
     # a request about to finish carries it whole; a very long one no less than a share
-    assert np.allclose(amortized_catchup_ms(_view(lag=1000, remaining=1), survival, MODEL), whole)
-    long_view = _view(lag=1000, remaining=10**7)
+    ending = decode_view(lag=1000, remaining=1)
+    assert np.allclose(amortized_catchup_ms(ending, survival, MODEL), whole)
+    long_view = decode_view(lag=1000, remaining=10**7)
     assert np.allclose(
         amortized_catchup_ms(long_view, survival, MODEL), whole / CATCHUP_HORIZON_ROUNDS
     )
@@ -174,7 +187,7 @@ def test_catchup_priced_as_the_cost_model_runs_it():
         "max_catchup_passes": 32,
     }
     model = CostModel(ProfileCost(profile))
-    view = _view(lag=1000, remaining=1)  # a horizon of one round: the whole catch-up
+    view = decode_view(lag=1000, remaining=1)  # a horizon of one round: the whole catch-up
     survival = np.cumprod(np.full((4, 7), 0.8), axis=1)
     first = model.profile.first_step_ms
     whole = first(np.array([4.0]), np.array([1000.0])) - first(np.array([4.0]), np.array([0.0]))
@@ -205,7 +218,7 @@ def test_entry_key_ranks_a_lagging_request_net_of_its_catchup():
     n = 3
     survival = np.cumprod(np.full((n, 7), 0.8), axis=1)
     key = survival.copy()
-    basis = decode_basis(_view(n, rate_bar=1.0), MODEL)
+    basis = decode_basis(decode_view(n, rate_bar=1.0), MODEL)
     catchup = np.array([0.0, 0.5, 100.0])  # ms: none, some, more than it can ever pay
     entry_key(key, survival, catchup, basis, MODEL)
     assert np.array_equal(key[0], survival[0])  # nothing to catch up: ranked by survival
@@ -218,7 +231,7 @@ def test_entry_key_ranks_a_lagging_request_net_of_its_catchup():
 
 def test_decode_basis_prices_prefill_rounds_as_their_decode_part():
     n = 4
-    plain = _view(n, rate_bar=1.0)
+    plain = decode_view(n, rate_bar=1.0)
     basis = decode_basis(plain, MODEL)
     assert (basis.base_rows, basis.num_prefill_rows, basis.rate_bar) == (
         plain.base_rows,
@@ -226,19 +239,19 @@ def test_decode_basis_prices_prefill_rounds_as_their_decode_part():
         plain.rate_bar,
     )
     # next to a 2048-row chunk: the decode rows only, at the decode round's AR rate
-    mixed = _view(n, num_prefill_rows=2048, rate_bar=1.0)
+    mixed = decode_view(n, num_prefill_rows=2048, rate_bar=1.0)
     basis = decode_basis(mixed, MODEL)
     assert (basis.base_rows, basis.num_prefill_rows, basis.base_kv_tokens) == (n, 0, n * 1000)
     decode_rate = n / MODEL.predict_ms_scalar(n, n * 1000)
     assert np.isclose(basis.rate_bar, decode_rate)
     assert basis.rate_bar > 5 * mixed.rate_bar  # the round's own AR rate is tiny
     # slots still filling: the live batch's AR rate (more rows per ms), the uplift kept
-    filling = decode_basis(_view(n, num_prefill_rows=2048, num_live=64, rate_bar=1.3), MODEL)
+    filling = decode_basis(decode_view(n, num_prefill_rows=2048, num_live=64, rate_bar=1.3), MODEL)
     live_rate = 64 / MODEL.predict_ms_scalar(64, 64 * 1000)
     assert np.isclose(filling.rate_bar, 1.3 * live_rate)
     assert filling.rate_bar > 1.3 * decode_rate
     # the uplift's excess over AR counts for the caught-up share of the batch only
-    uplifted = _view(n, rate_bar=1.3)
+    uplifted = decode_view(n, rate_bar=1.3)
     ar_rate = n / MODEL.predict_ms_scalar(n, n * 1000)
     assert np.isclose(decode_basis(uplifted, MODEL, 1.0).rate_bar, 1.3 * ar_rate)
     assert np.isclose(decode_basis(uplifted, MODEL, 0.5).rate_bar, 1.15 * ar_rate)
@@ -248,7 +261,7 @@ def test_decode_basis_prices_prefill_rounds_as_their_decode_part():
 def test_probe_only_while_the_prior_lacks_evidence():
     est = AcceptanceEstimator(num_slots=4, max_drafts=7, prior_acceptance=0.3)
     policy = AdaptivePolicy()
-    view = _view(4, lag=1000, rate_bar=1.0)
+    view = decode_view(4, lag=1000, rate_bar=1.0)
     lag = np.array([900, 40, 40, 1200], dtype=np.int64)
     remaining = np.array([100, 50, 90, 100])
     view = DecodeView(**{**view.__dict__, "drafter_lag": lag, "num_remaining": remaining})
