@@ -20,6 +20,10 @@ extended):
 - `draft_model.propose_ms`: [k, d, ms] a whole proposal of d drafts (1, 3, 7 within the spec
   depth) for k speculating requests right after a verified round (step 0 catching up 1-2 rows
   per request), at the reference context: what the engine's draft phase costs;
+- `target.spec_round_ratio`: [k, ratio] full-depth speculating rounds of k requests as the
+  engine runs them (`Engine.step`: the executor's round plus the profile's host time around
+  it) over the price the terms above give them; the cost model scales speculating rounds by
+  it (by speculating requests);
 - `ceilings`: copy bandwidth and bf16 GEMM rate measured on the same device in the same run.
 
 Profiles are cached under `~/.cache/hipfire-serve/profiles/` by a key of the models, device,
@@ -490,6 +494,59 @@ def host_drafter_profile(drafter, rows, repeats: int, context_len: int, vocab: i
     }
 
 
+def _engine_steps(
+    engine, c: int, prompt_len: int, num_steps: int, spec_mode: str
+) -> tuple[int, list]:
+    """Up to `num_steps` decode steps of c greedy requests of `prompt_len` random tokens under
+    a throw-away scheduler of `spec_mode` ("ar", "spec": every request drafts its full depth),
+    after their prefill and 3 settling steps; then aborts them and drains. -> (c as the KV
+    cache and queue allow it, [(wall ms of `Engine.step`, the round's `RoundStats`)]), no steps
+    when the model's context or the KV cache cannot keep requests decoding that long. The
+    engine's own scheduler is the caller's to restore."""
+    from hipfire_serve.types import SamplingParams
+
+    engine.scheduler = engine._make_scheduler(spec_mode, None)
+    # tokens a request may emit: every measured step can emit a whole draft chain
+    max_tokens = (num_steps + 16) * (engine.config.spec_depth if spec_mode == "spec" else 1)
+    max_tokens = min(max_tokens, engine.max_model_len - prompt_len)
+    if max_tokens < num_steps + 4:
+        return c, []  # a context too short to keep requests decoding through the steps
+    # as many requests as can wait and decode together in this engine's KV cache
+    blocks_each = -(-(prompt_len + max_tokens) // engine.config.block_size) + 1
+    c = min(c, engine.scheduler.config.max_queue, engine.num_kv_blocks // blocks_each)
+    if c < 1:
+        return c, []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    vocab = engine.target.config.vocab_size
+    g = torch.Generator().manual_seed(c)
+    ids = [f"profile-{spec_mode}-{c}-{i}" for i in range(c)]
+    for req_id in ids:
+        prompt = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
+        engine.add_request(req_id, prompt, params)
+    steps = []
+    try:
+        while engine.scheduler.stats.num_prefilling or engine.scheduler.num_waiting:
+            engine.step()
+        for _ in range(3):  # settle: the first decode rounds may still capture graphs
+            engine.step()
+        for _ in range(num_steps):
+            if not engine.has_unfinished():
+                break  # (speculating requests can run out of tokens first)
+            _sync(engine.device)
+            t0 = time.perf_counter()
+            engine.step()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            rounds = engine.stats().rounds
+            if rounds:
+                steps.append((wall_ms, rounds[-1]))
+    finally:
+        for req_id in ids:
+            engine.abort(req_id)
+        while engine.has_unfinished():
+            engine.step()
+    return c, steps
+
+
 def time_engine_overhead(
     engine,
     concurrencies: tuple[int, ...],
@@ -503,50 +560,57 @@ def time_engine_overhead(
     AR decode rounds (`spec_mode` "ar": run ahead, so mostly hidden) or speculating ones
     ("spec": every request drafts; nothing hides). The engine's scheduler is swapped for a
     throw-away one and restored."""
-    from hipfire_serve.types import SamplingParams
-
     saved = getattr(engine, "scheduler", None)
-    vocab = engine.target.config.vocab_size
     out = []
     try:
         for c in concurrencies:
-            engine.scheduler = engine._make_scheduler(spec_mode, None)
-            # tokens a request may emit: every measured step can emit a whole draft chain
-            max_tokens = (num_steps + 16) * (engine.config.spec_depth if spec_mode == "spec" else 1)
-            max_tokens = min(max_tokens, engine.max_model_len - prompt_len)
-            if max_tokens < num_steps + 4:
-                break  # a context too short to keep requests decoding through the steps
-            # as many requests as can wait and decode together in this engine's KV cache
-            blocks_each = -(-(prompt_len + max_tokens) // engine.config.block_size) + 1
-            c = min(c, engine.scheduler.config.max_queue, engine.num_kv_blocks // blocks_each)
-            if c < 1 or any(p[0] == c for p in out):
-                continue
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            g = torch.Generator().manual_seed(c)
-            for i in range(c):
-                prompt = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
-                engine.add_request(f"profile-host-{c}-{i}", prompt, params)
-            while engine.scheduler.stats.num_prefilling or engine.scheduler.num_waiting:
-                engine.step()
-            for _ in range(3):  # settle: the first decode rounds may still capture graphs
-                engine.step()
-            overheads = []
-            for _ in range(num_steps):
-                if not engine.has_unfinished():
-                    break  # (speculating requests can run out of tokens first)
-                _sync(engine.device)
-                t0 = time.perf_counter()
-                engine.step()
-                wall_ms = (time.perf_counter() - t0) * 1e3
-                rounds = engine.stats().rounds
-                if rounds:
-                    overheads.append(max(wall_ms - rounds[-1].measured_s * 1e3, 0.0))
-            if overheads:
+            c, steps = _engine_steps(engine, c, prompt_len, num_steps, spec_mode)
+            overheads = [max(wall_ms - stats.measured_s * 1e3, 0.0) for wall_ms, stats in steps]
+            if overheads and not any(p[0] == c for p in out):
                 out.append([c, round(statistics.median(overheads), 4)])
-            for i in range(c):
-                engine.abort(f"profile-host-{c}-{i}")
-            while engine.has_unfinished():
-                engine.step()
+    finally:
+        if saved is not None:
+            engine.scheduler = saved
+    return out
+
+
+def time_spec_round_ratio(
+    engine, profile: dict, concurrencies: tuple[int, ...], context_len: int, num_steps: int = 8
+) -> list[list[float]]:
+    """Speculating rounds as the engine pays them against the profile's price of the same
+    shapes: per speculating request count, the median over `num_steps` full-depth speculating
+    rounds (every request drafting, `context_len` tokens of prompt) of (the executor's measured
+    round + the profile's host time around it) / the profile's price of the round. The profile's
+    speculating terms are measured piece by piece (rounds alone, proposals alone); this is the
+    factor that puts them together as the engine runs them. -> [[k, ratio], ...]"""
+    from scheduler.cost_model import ProfileCost
+
+    cost = ProfileCost(profile)
+    saved = getattr(engine, "scheduler", None)
+    out = []
+    try:
+        for c in concurrencies:
+            ratios = []
+            c, steps = _engine_steps(engine, c, context_len, num_steps, "spec")
+            for _, stats in steps:
+                drafted = stats.drafted_per_pos
+                depth = sum(1 for n in drafted if n > 0)
+                k = stats.num_spec
+                if not (k and depth) or stats.num_prefill:
+                    continue
+                num_draft_rows = int(sum(drafted))
+                price = cost.round_ms_scalar(
+                    stats.num_rows,
+                    stats.num_kv_tokens,
+                    depth,
+                    k,
+                    num_draft_rows=num_draft_rows,
+                )
+                host = cost.round_spec_host_ms(stats.num_rows, 0, k, depth)
+                if price > 0:
+                    ratios.append((stats.measured_s * 1e3 + host) / price)
+            if ratios and not any(p[0] == c for p in out):
+                out.append([c, round(statistics.median(ratios), 4)])
     finally:
         if saved is not None:
             engine.scheduler = saved
@@ -772,6 +836,12 @@ def build_profile(
                 else {}
             ),
         }
+    if host_overhead and engine.drafter is not None:
+        # the speculating terms above put together as the engine runs them (after them: the
+        # ratio is against their price)
+        profile["target"]["spec_round_ratio"] = time_spec_round_ratio(
+            engine, profile, _host_points(ex.max_slots), ref
+        )
     return profile
 
 

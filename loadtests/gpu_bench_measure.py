@@ -33,6 +33,8 @@ def measure_profile(engine, cfg: BenchConfig, tmp: Path) -> tuple[dict, dict[str
         p = dict(profile)
         if drafter != cfg.model_drafter:
             p.pop("draft_model", None)
+            # measured with the draft model's costs: no factor for another drafter's terms
+            p["target"] = {k: v for k, v in p["target"].items() if k != "spec_round_ratio"}
         if drafter == "ngram":  # prompt lookup: host time in every speculating round
             from executor.drafters.ngram import NgramDrafter
             from executor.profiler import host_drafter_profile

@@ -29,6 +29,11 @@ Speculating rounds as served (profiles that have the tables; older ones keep the
   step curve past the largest count), non-decreasing in both. A catch-up of `drafter_lag_rows`
   (rounds the drafter missed) keeps its pass pricing on top: first_step(k, lag) -
   first_step(k, 0).
+- `target.spec_round_ratio` ([k, ratio]: full-depth speculating rounds of k requests as the
+  engine ran them at profiling time, over the price of the terms above) scales a speculating
+  round's whole price, by its speculating requests (flat outside the measured counts; absent:
+  1). The terms are measured piece by piece, rounds alone and proposals alone; on the H200 of
+  2026-11-30 02:57 UTC the engine's speculating steps cost 14-32% more than their sum.
 
 An AR-only decode round (no drafts, no prefill chunk) runs ahead in the engine: the host's work
 between rounds hides behind the device's, so its cost is scaled by the profile's
@@ -201,6 +206,13 @@ class ProfileCost:
         # [TABLE_ROWS] by decoding requests, flat outside the measured counts
         self._spec_host = np.interp(np.arange(TABLE_ROWS), host[:, 0], np.maximum(host[:, 1], 0))
         self._spec_host_list = self._spec_host.tolist()
+        # speculating rounds as the engine runs them over their price, by speculating requests
+        # (absent: 1), flat outside the measured counts
+        spec_ratio = np.asarray(target.get("spec_round_ratio") or [[1, 1.0]], dtype=np.float64)
+        self._spec_ratio = np.interp(
+            np.arange(TABLE_ROWS), spec_ratio[:, 0], np.clip(spec_ratio[:, 1], 0.5, 3.0)
+        )  # [TABLE_ROWS]
+        self._spec_ratio_list = self._spec_ratio.tolist()
         ratio = np.asarray(target.get("ar_ahead_ratio") or [[1, 1.0]], dtype=np.float64)
         # flat outside the measured row counts (np.interp clamps)
         self._ahead_ratio = _Curve(
@@ -442,6 +454,13 @@ class ProfileCost:
         [P] speculating requests of each, set up once for the planner's loop over caps."""
         return SpecTerms(self, num_spec)
 
+    def spec_ratio(self, num_spec):
+        """The profile's `spec_round_ratio` at `num_spec` speculating requests (1 without it)."""
+        return self._spec_ratio[np.clip(np.asarray(num_spec, dtype=np.int64), 0, TABLE_ROWS - 1)]
+
+    def spec_ratio_scalar(self, num_spec: int) -> float:
+        return self._spec_ratio_list[min(max(num_spec, 0), TABLE_ROWS - 1)]
+
     def spec_host_ms(self, num_seqs):
         """The engine's host time around a speculating round of `num_seqs` decoding requests."""
         return self._spec_host[np.clip(np.asarray(num_seqs, dtype=np.int64), 0, TABLE_ROWS - 1)]
@@ -494,7 +513,7 @@ class ProfileCost:
         t = t + np.where(draft_depth > 0, first + rest + host, 0.0)
         if drafter_prefill and np.any(num_prefill_rows):
             t = t + self._draft(num_prefill_rows)
-        return t
+        return t * np.where(draft_depth > 0, self.spec_ratio(num_spec), 1.0)
 
     def round_ms_scalar(
         self,
@@ -531,6 +550,8 @@ class ProfileCost:
                 t += self.spec_excess_ms_scalar(num_spec, drafts)
         if drafter_prefill and num_prefill_rows:
             t += self._draft.scalar(num_prefill_rows)
+        if draft_depth > 0:
+            t *= self._spec_ratio_list[min(max(num_spec, 0), TABLE_ROWS - 1)]
         return t
 
 
@@ -716,11 +737,11 @@ class CostModel:
             draft = p.spec_terms_ms(num_spec, extra_rows, depth)
             if lag_rows.any():
                 draft = draft + p.catchup_extra_ms(num_spec, lag_rows)
-            return corr[extra_rows] * (fixed[extra_rows] + draft)
+            return corr[extra_rows] * (fixed[extra_rows] + draft) * p.spec_ratio(num_spec)
         step = p.draft_step_ms(np.arange(int(num_spec.max()) + 1))  # [K] one chain step
         first = p.first_step_ms(num_spec, lag_rows) if lag_rows.any() else step[num_spec]
         draft = first + (depth - 1) * step[np.maximum(num_spec, 1)] + p.propose_ms(num_spec)
-        return corr[extra_rows] * (fixed[extra_rows] + draft)
+        return corr[extra_rows] * (fixed[extra_rows] + draft) * p.spec_ratio(num_spec)
 
     def spec_row_terms(
         self, base_rows: int, base_kv_tokens: int, max_extra_rows: int, num_prefill_rows: int
@@ -728,7 +749,8 @@ class CostModel:
         """The draft-row-dependent terms of predict_spec_grid, for `extra` = 0..max_extra_rows
         draft rows on top of the round's base: (corr, fixed), each [max_extra_rows + 1]. A
         speculating candidate of k requests, d_max drafts and `extra` draft rows is predicted at
-        corr[extra] * (fixed[extra] + profile.spec_terms_ms(k, extra, d_max) + catch-up ms),
+        corr[extra] * (fixed[extra] + profile.spec_terms_ms(k, extra, d_max) + catch-up ms)
+        * profile.spec_ratio(k),
         the same value predict_spec_grid gives (catch-up: profile.catchup_extra_ms of its lag
         rows). Over many prefixes of one ranked order, profile.spec_terms(num_spec) gives the
         same spec terms with the per-request lookups done once (SpecTerms)."""

@@ -130,6 +130,7 @@ def plan_depths(
     # curve, the drafter's proposal, a model-free drafter's host time), by prefix; catch-ups
     # on top
     spec_terms = cost_model.profile.spec_terms(num_spec)
+    spec_ratio = cost_model.profile.spec_ratio(num_spec)  # [P] the engine's over the terms'
     # A prefix must contain every forced position (they rank first, all at depth 1, so they
     # lead every cap's list too).
     start = max(num_forced - 1, 0)
@@ -144,7 +145,7 @@ def plan_depths(
         tokens = base_tokens + np.cumsum(value[taken])  # [m] tokens of each prefix
         num_rows = len(taken)
         draft = spec_terms(taken, np.arange(1, num_rows + 1), cap) + catchup_ms[taken]  # [m]
-        ms = corr[1 : num_rows + 1] * (fixed[1 : num_rows + 1] + draft)  # [m]
+        ms = corr[1 : num_rows + 1] * (fixed[1 : num_rows + 1] + draft) * spec_ratio[taken]
         # Objective: tokens - rate_bar * ms (see module doc); rate_bar 0: tokens / ms.
         rate = tokens - rate_bar * ms if rate_bar > 0 else tokens / ms
         last = start + int(np.argmax(rate[start:]))

@@ -77,9 +77,16 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
     cm = CostModel.from_file(out)
     assert cm.predict_ms(2, 32) > 0
     # a round of 4 requests drafting one token each: 8 rows, 4 decoding requests
-    without = dict(prof, target={**t, "spec_host_ms_per_round": []})
-    spec = cm.profile.round_ms_scalar(8, 0, 1, 4)
+    # (the engine's factor over the terms left out on both sides)
+    with_host = ProfileCost(dict(prof, target={**t, "spec_round_ratio": []}))
+    without = dict(prof, target={**t, "spec_host_ms_per_round": [], "spec_round_ratio": []})
+    spec = with_host.round_ms_scalar(8, 0, 1, 4)
     assert spec - ProfileCost(without).round_ms_scalar(8, 0, 1, 4) == pytest.approx(spec_host[4])
+    # the engine's speculating rounds over that price, by requests
+    ratio = dict(t["spec_round_ratio"])
+    assert sorted(ratio) == [1, 4] and all(r > 0 for r in ratio.values())
+    factor = cm.profile.round_ms_scalar(8, 0, 1, 4) / spec
+    assert factor == pytest.approx(ratio[4])
 
     # the engine finds the profile in the cache by its key
     monkeypatch.setattr(profiler, "CACHE_DIR", tmp_path / "cache")

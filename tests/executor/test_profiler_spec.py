@@ -114,3 +114,40 @@ def test_spec_rows_take_the_same_subtraction_as_rows_ms(tmp_path, monkeypatch):
     assert cost.spec_excess_ms_scalar(2, 6) == pytest.approx(
         spec[(2, 4)] - float(cost.target_ms(8)), abs=1e-9
     )
+
+
+def test_spec_round_ratio_is_the_engines_rounds_over_their_price(tmp_path):
+    """The engine's full-depth speculating rounds over the profile's price: a profile that
+    prices them far dearer gets a proportionally smaller factor; build_profile records it."""
+    import copy
+
+    from executor.profiler import time_spec_round_ratio
+
+    target = make_tiny_model(tmp_path / "t", "llama")
+    draft = make_tiny_model(tmp_path / "d", "llama", seed=1)
+    engine = Engine(
+        EngineConfig(
+            model=str(target), draft=str(draft), device="cpu", dtype="float32",
+            max_concurrency=4, spec_depth=4, kv_cache_memory="16MiB", spec_mode="ar",
+        )
+    )  # fmt: skip
+    prof = build_profile(
+        engine, rows=(1, 2, 8), kv_lens=(16, 48), repeats=1, with_ceilings=False,
+        host_overhead=False,
+    )  # fmt: skip
+    scheduler = engine.scheduler
+    fair = time_spec_round_ratio(engine, prof, (1, 4), context_len=16, num_steps=3)
+    assert engine.scheduler is scheduler and not engine.has_unfinished()
+    assert [k for k, _ in fair] == [1, 4] and all(0 < r < 100 for _, r in fair)
+    dear = copy.deepcopy(prof)
+    t, d = dear["target"], dear["draft_model"]
+    t["rows_ms"] = [[n, ms * 10] for n, ms in t["rows_ms"]]
+    t["spec_rows_ms"] = [[k, r, ms * 10] for k, r, ms in t["spec_rows_ms"]]
+    d["propose_ms"] = [[k, n, ms * 10] for k, n, ms in d["propose_ms"]]
+    dearer = time_spec_round_ratio(engine, dear, (1, 4), context_len=16, num_steps=3)
+    for (_, r_fair), (_, r_dear) in zip(fair, dearer):
+        assert r_dear < r_fair / 3
+    with_host = build_profile(
+        engine, rows=(1, 2), kv_lens=(16,), repeats=1, with_ceilings=False, host_overhead=True
+    )
+    assert [k for k, _ in with_host["target"]["spec_round_ratio"]] == [1, 4]

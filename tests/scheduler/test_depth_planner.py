@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from scheduler.cost_model import CostModel
 from scheduler.depth_planner import FORCE_KEY, plan_depths
+from tests.scheduler.test_cost_model import NOISY
 from tests.scheduler.test_lifecycle_invariants import PROFILE
 
 MODEL = CostModel(PROFILE)
@@ -91,3 +92,34 @@ def test_speculation_wins_at_low_load_and_loses_under_compute_pressure():
         hard, hard, np.ones(256), np.zeros(256, dtype=np.int64), MODEL, 256, 256 * 500, 256.0, 0
     )
     assert heavy.num_draft.sum() < 64
+
+
+@given(
+    acc=st.lists(st.floats(0.3, 0.99), min_size=1, max_size=6),
+    max_drafts=st.integers(1, 7),
+    extra_rows=st.integers(0, 200),
+)
+def test_the_plans_price_is_the_cost_models_with_the_engines_ratio(acc, max_drafts, extra_rows):
+    """With a profile whose speculating rounds cost the engine more than their terms
+    (`spec_round_ratio`), the planner's predicted time of its choice is predict_ms's."""
+    model = CostModel(NOISY)
+    n = len(acc)
+    survival = np.cumprod(np.tile(np.array(acc)[:, None], (1, max_drafts)), axis=1)  # [n, D]
+    base_rows, base_kv = n + extra_rows, 1000 * n
+    choice = plan_depths(
+        survival, survival.copy(), np.ones(n), np.zeros(n, dtype=np.int64), model,
+        base_rows, base_kv, float(n), 0,
+    )  # fmt: skip
+    num_draft = choice.num_draft
+    if not num_draft.any():
+        return
+    want = model.predict_ms_scalar(
+        base_rows + int(num_draft.sum()),
+        base_kv + int(num_draft.sum()),
+        int(num_draft.max()),
+        int(np.count_nonzero(num_draft)),
+        0,
+        0,
+        num_draft_rows=int(num_draft.sum()),
+    )
+    assert abs(choice.predicted_ms - want) <= 1e-9 * want
