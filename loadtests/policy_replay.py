@@ -45,11 +45,16 @@ def priced_finish(
         num_spec = int((plan.decode.num_draft > 0).sum())
         depth = plan.spec_depth - 1 if num_spec else 0
         prefill_rows = sum(q.num_new for q in plan.prefills)
-        ms = profile.round_ms_scalar(
-            plan.num_rows, plan.num_kv_tokens, depth, num_spec, 0, prefill_rows
+        ms = profile.executor_ms_scalar(
+            plan.num_rows,
+            plan.num_kv_tokens,
+            depth,
+            num_spec,
+            0,
+            prefill_rows,
+            num_draft_rows=int(plan.decode.num_draft.sum()),
         )
         if depth:
-            ms -= profile.round_spec_host_ms(plan.num_rows, prefill_rows, num_spec, depth)
             ms *= spec_bias
         ms *= math.exp(rng.gauss(0.0, noise)) if noise > 0 else 1.0
         timings = msgspec.structs.replace(result.timings, total_ms=ms)

@@ -554,6 +554,35 @@ class ProfileCost:
             t *= self._spec_ratio_list[min(max(num_spec, 0), TABLE_ROWS - 1)]
         return t
 
+    def executor_ms_scalar(
+        self,
+        num_rows: int,
+        num_kv_tokens: int,
+        draft_depth: int = 0,
+        num_spec: int = 0,
+        drafter_lag_rows: int = 0,
+        num_prefill_rows: int = 0,
+        drafter_prefill: bool = False,
+        padded: bool = False,
+        num_draft_rows: int | None = None,
+    ) -> float:
+        """round_ms_scalar less the engine's host time around a speculating round: the part an
+        executor's own measured round time stands for (what a priced executor reports)."""
+        t = self.round_ms_scalar(
+            num_rows,
+            num_kv_tokens,
+            draft_depth,
+            num_spec,
+            drafter_lag_rows,
+            num_prefill_rows,
+            drafter_prefill,
+            padded,
+            num_draft_rows,
+        )
+        if draft_depth > 0:
+            t -= self.round_spec_host_ms(num_rows, num_prefill_rows, num_spec, draft_depth)
+        return t
+
 
 def _excess_scale(num_spec: np.ndarray) -> np.ndarray:
     """The excess table's factor by speculating requests: 0 without any, proportional past the

@@ -133,7 +133,7 @@ class SimExecutor:
         self.last_host_ms = 0.0
         if plan.num_reqs:
             depth = plan.spec_depth - 1 if num_spec else 0
-            ms = self.profile.round_ms_scalar(
+            ms = self.profile.executor_ms_scalar(
                 rows,
                 plan.num_kv_tokens,
                 depth,
@@ -145,7 +145,6 @@ class SimExecutor:
                 num_draft_rows=int(num_draft.sum()),
             )
             if depth:
-                ms -= self.profile.round_spec_host_ms(rows, num_prefill_rows, num_spec, depth)
                 self.last_host_ms = self.profile.round_spec_host_ms(
                     plan.num_rows, num_prefill_rows, num_spec, depth
                 )

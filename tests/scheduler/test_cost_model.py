@@ -701,3 +701,18 @@ def test_speculating_rounds_share_one_correction_that_ar_rounds_do_not_dilute():
         model.observe(8, False, raw, raw)
     again = model.predict_ms_scalar(256, 0, 7, 32) / model.raw_ms_scalar(256, 0, 7, 32)
     assert again == pytest.approx(1.0, abs=0.01)
+
+
+@given(
+    rows=st.integers(1, 1500),
+    depth=st.integers(0, 7),
+    num_spec=st.integers(1, 128),
+    prefill=st.sampled_from([0, 300]),
+)
+def test_the_executors_part_is_the_round_less_the_engines_host_time(rows, depth, num_spec, prefill):
+    num_spec = num_spec if depth else 0
+    for prof in (TABLES, NOISY):
+        whole = prof.round_ms_scalar(rows, 4000, depth, num_spec, 0, prefill)
+        host = prof.round_spec_host_ms(rows, prefill, num_spec, depth) if depth else 0.0
+        part = prof.executor_ms_scalar(rows, 4000, depth, num_spec, 0, prefill)
+        assert part == pytest.approx(whole - host, rel=1e-12, abs=1e-12)
