@@ -502,10 +502,20 @@ def _engine_steps(
     after their prefill and 3 settling steps; then aborts them and drains. -> (c as the KV
     cache and queue allow it, [(wall ms of `Engine.step`, the round's `RoundStats`)]), no steps
     when the model's context or the KV cache cannot keep requests decoding that long. The
-    engine's own scheduler is the caller's to restore."""
+    engine's own scheduler, if it has one yet, is put back afterwards."""
+    saved = getattr(engine, "scheduler", None)  # (none while the engine is being built)
+    try:
+        engine.scheduler = engine._make_scheduler(spec_mode, None)
+        return _run_steps(engine, c, prompt_len, num_steps, spec_mode)
+    finally:
+        if saved is not None:
+            engine.scheduler = saved
+
+
+def _run_steps(engine, c: int, prompt_len: int, num_steps: int, spec_mode: str):
+    """_engine_steps on the throw-away scheduler already in place."""
     from hipfire_serve.types import SamplingParams
 
-    engine.scheduler = engine._make_scheduler(spec_mode, None)
     # tokens a request may emit: every measured step can emit a whole draft chain
     max_tokens = (num_steps + 16) * (engine.config.spec_depth if spec_mode == "spec" else 1)
     max_tokens = min(max_tokens, engine.max_model_len - prompt_len)
@@ -558,19 +568,13 @@ def time_engine_overhead(
     scheduler's update, output collection, bookkeeping) at each live request count: the wall
     time of `Engine.step` minus the executor's own round time, median of `num_steps`, in plain
     AR decode rounds (`spec_mode` "ar": run ahead, so mostly hidden) or speculating ones
-    ("spec": every request drafts; nothing hides). The engine's scheduler is swapped for a
-    throw-away one and restored."""
-    saved = getattr(engine, "scheduler", None)
+    ("spec": every request drafts; nothing hides), each on a throw-away scheduler."""
     out = []
-    try:
-        for c in concurrencies:
-            c, steps = _engine_steps(engine, c, prompt_len, num_steps, spec_mode)
-            overheads = [max(wall_ms - stats.measured_s * 1e3, 0.0) for wall_ms, stats in steps]
-            if overheads and not any(p[0] == c for p in out):
-                out.append([c, round(statistics.median(overheads), 4)])
-    finally:
-        if saved is not None:
-            engine.scheduler = saved
+    for c in concurrencies:
+        c, steps = _engine_steps(engine, c, prompt_len, num_steps, spec_mode)
+        overheads = [max(wall_ms - stats.measured_s * 1e3, 0.0) for wall_ms, stats in steps]
+        if overheads and not any(p[0] == c for p in out):
+            out.append([c, round(statistics.median(overheads), 4)])
     return out
 
 
@@ -586,34 +590,24 @@ def time_spec_round_ratio(
     from scheduler.cost_model import ProfileCost
 
     cost = ProfileCost(profile)
-    saved = getattr(engine, "scheduler", None)
     out = []
-    try:
-        for c in concurrencies:
-            ratios = []
-            c, steps = _engine_steps(engine, c, context_len, num_steps, "spec")
-            for _, stats in steps:
-                drafted = stats.drafted_per_pos
-                depth = sum(1 for n in drafted if n > 0)
-                k = stats.num_spec
-                if not (k and depth) or stats.num_prefill:
-                    continue
-                num_draft_rows = int(sum(drafted))
-                price = cost.round_ms_scalar(
-                    stats.num_rows,
-                    stats.num_kv_tokens,
-                    depth,
-                    k,
-                    num_draft_rows=num_draft_rows,
-                )
-                host = cost.round_spec_host_ms(stats.num_rows, 0, k, depth)
-                if price > 0:
-                    ratios.append((stats.measured_s * 1e3 + host) / price)
-            if ratios and not any(p[0] == c for p in out):
-                out.append([c, round(statistics.median(ratios), 4)])
-    finally:
-        if saved is not None:
-            engine.scheduler = saved
+    for c in concurrencies:
+        ratios = []
+        c, steps = _engine_steps(engine, c, context_len, num_steps, "spec")
+        for _, stats in steps:
+            drafted = stats.drafted_per_pos
+            depth = sum(1 for n in drafted if n > 0)
+            k = stats.num_spec
+            if not (k and depth) or stats.num_prefill:
+                continue
+            price = cost.round_ms_scalar(
+                stats.num_rows, stats.num_kv_tokens, depth, k, num_draft_rows=int(sum(drafted))
+            )
+            host = cost.round_spec_host_ms(stats.num_rows, 0, k, depth)
+            if price > 0:
+                ratios.append((stats.measured_s * 1e3 + host) / price)
+        if ratios and not any(p[0] == c for p in out):
+            out.append([c, round(statistics.median(ratios), 4)])
     return out
 
 
