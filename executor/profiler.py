@@ -455,32 +455,45 @@ def time_host_drafter(
 
 
 def time_draft_catchup(
-    model: Model, rows: tuple[int, ...], repeats: int, graphs: bool = True
+    model: Model,
+    rows: tuple[int, ...],
+    repeats: int,
+    graphs: bool = True,
+    rows_per_req: int = 0,
 ) -> list[list[float]]:
-    """The draft model catching up `r` context rows of one request from nothing (what its first
-    speculating round after a prefill pays; longer than the graphed passes, so one eager
-    forward), picking one draft: `propose` wall time with a device sync, median of `repeats`
-    after a warm-up call, per row count."""
+    """The draft model catching up `r` context rows from nothing (what the first speculating
+    round after prefills pays; longer than the graphed passes, so one eager forward), picking
+    one draft per request: `propose` wall time with a device sync, median of `repeats` after a
+    warm-up call, per row count. Up to `rows_per_req` rows (0: no limit) are one request's
+    prompt; more rows are that many requests' prompts caught up together, as when a whole batch
+    enters speculation at once (a 16k-row catch-up costs what its compute costs, far more than
+    one prompt's launch-bound forward)."""
     from executor.drafters.base import DraftRequest
 
     if not rows:
         return []
-    drafter = standalone_drafter(model, 1, max(rows), 2, graphs)
+    per_req = rows_per_req or max(rows)
+    shapes = [(-(-n // per_req), min(n, per_req)) for n in rows]  # (requests, rows each)
+    max_reqs = max(k for k, _ in shapes)
+    drafter = standalone_drafter(model, max_reqs, per_req, 2, graphs)
     g = torch.Generator().manual_seed(1)
-    context = torch.randint(0, model.config.vocab_size, (max(rows),), generator=g).tolist()
+    context = torch.randint(0, model.config.vocab_size, (per_req,), generator=g).tolist()
     out = []
-    for n in rows:
-        request = DraftRequest(0, context[:n], 1)
+    for num_reqs, each in shapes:
+        requests = [DraftRequest(s, context[:each], 1) for s in range(num_reqs)]
         times = []
         for i in range(repeats + 1):
-            drafter.setup(0, request.context)  # nothing drafted yet: all n rows to catch up
+            for r in requests:  # nothing drafted yet: all rows to catch up
+                drafter.setup(r.slot, r.context)
             _sync(model.device)
             t0 = time.perf_counter()
-            drafter.propose([request], [True])
+            drafter.propose(requests, [True] * num_reqs)
             _sync(model.device)
             if i:
                 times.append((time.perf_counter() - t0) * 1e3)
-        out.append([n, round(statistics.median(times), 4)])
+        for r in requests:
+            drafter.release(r.slot)
+        out.append([num_reqs * each, round(statistics.median(times), 4)])
     return out
 
 
@@ -615,6 +628,20 @@ def _interp(points: list[list[float]], x: float) -> float:
     xs = [p[0] for p in points]
     ys = [p[1] for p in points]
     return float(np.interp(x, xs, ys)) if points else 0.0
+
+
+# Catch-ups timed for the profile: whole prompts of CATCHUP_PROMPT_ROWS rows, one prompt up to
+# that many rows and up to 16 of them at once past it (a batch entering speculation together).
+CATCHUP_PROMPT_ROWS = 1024
+CATCHUP_ROWS = (256, 1024, 4096, 16384)
+
+
+def catchup_profile_rows(max_model_len: int) -> tuple[int, ...]:
+    """The catch-up row counts to time for a model of `max_model_len`: those whose prompts
+    (at most CATCHUP_PROMPT_ROWS rows each) fit its context with the draft."""
+    fits = max_model_len - 2 >= min(CATCHUP_PROMPT_ROWS, 256)
+    longest = min(CATCHUP_PROMPT_ROWS, max_model_len - 2)
+    return tuple(r for r in CATCHUP_ROWS if fits and min(r, CATCHUP_PROMPT_ROWS) <= longest)
 
 
 SPEC_REPEATS = 5  # repeats of the speculating shapes: ~50 of them in a profile built every run
@@ -817,8 +844,9 @@ def build_profile(
             # catching up a whole prompt (after a prefill): one eager forward of its rows
             "catchup_rows_ms": time_draft_catchup(
                 draft_model,
-                tuple(r for r in (256, 1024, 2048) if r + 2 <= engine.max_model_len),
+                catchup_profile_rows(engine.max_model_len),
                 max(1, repeats // 2),
+                rows_per_req=CATCHUP_PROMPT_ROWS,
             ),
             # a graphed drafter catches up in passes (DraftModelDrafter._step0)
             **(

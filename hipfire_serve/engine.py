@@ -71,6 +71,9 @@ class RoundStats(msgspec.Struct, kw_only=True):
     policy_switches: int
     reason: str
     overlapped: bool = False  # the next round was launched before this one finished
+    # tokens the plan expected (one per decoding request, the drafts the estimators expect
+    # accepted, prefills that complete)
+    predicted_tokens: float = 0.0
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -636,6 +639,7 @@ class Engine:
                 policy_switches=new_switches,
                 reason=plan.reason,
                 overlapped=result.overlapped,
+                predicted_tokens=plan.predicted_tokens,
             )
         )
         if len(self._rounds) > 4096:  # nobody drained the stats: keep memory bounded

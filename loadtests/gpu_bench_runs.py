@@ -32,6 +32,8 @@ class StepRecord:
     measured_s: float = 0.0  # the executor's run
     phase_s: dict[str, float] = field(default_factory=dict)
     num_accepted: int = 0  # accepted drafts of all speculating requests of the round
+    predicted_tokens: float = 0.0  # tokens the plan expected the round to emit
+    reason: str = ""  # the policy's reason for the round's route
 
 
 def mix(counts: dict[str, int]) -> dict[str, float]:
@@ -122,6 +124,8 @@ def drive_refill(engine, prompts: Sequence[list[int]], concurrency: int, params)
                 measured_s=rs.measured_s if rs else 0.0,
                 phase_s=dict(rs.phase_s) if rs else {},
                 num_accepted=sum(rs.accepted_per_pos) if rs else 0,
+                predicted_tokens=rs.predicted_tokens if rs else 0.0,
+                reason=rs.reason if rs else "",
             )
         )
         for r in outputs:

@@ -45,6 +45,13 @@ CATCHUP_HORIZON_ROUNDS = 512.0
 # size (AdaptivePolicy.probe_can_pay: one more search, so not every round while the evidence
 # is stale).
 PROBE_RECHECK_ROUNDS = 64
+# Yield calibration (YieldTracker): the discount of one speculating round's evidence (memory ~50
+# rounds), of the evidence per decode round without speculation, the prior's weight in expected
+# accepted drafts, and the bounds of the factor.
+YIELD_DISCOUNT = 0.98
+YIELD_RELAX = 0.98
+YIELD_PRIOR_DRAFTS = 50.0
+YIELD_MIN, YIELD_MAX = 0.25, 1.5
 # EMA weight of one round in the rate bar: ~20 rounds, enough to average the luck of single
 # rounds, short enough to follow a change of regime (arrivals, drain) within a second or so.
 RATE_ALPHA = 0.05
@@ -72,6 +79,7 @@ class DecodeView:
     cohort_changed: bool  # arrivals or departures since the last round
     draining: bool  # nothing waiting: finishing the live requests is what counts
     rate_bar: float = 0.0  # tokens per ms a draft position must pay for (0: per-round ratio)
+    yield_factor: float = 1.0  # accepted drafts per draft the estimators expect accepted
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,47 @@ class RateTracker:
         a = self.alpha
         self._tokens += a * (num_tokens - self._tokens)
         self._ar_tokens += a * (measured_ms * ar_rate - self._ar_tokens)
+
+
+class YieldTracker:
+    """How many of the drafts the acceptance estimators expect accepted the speculating rounds
+    actually got accepted, as (A + P) / (E + P): A and E the accepted and expected drafts of the
+    recent speculating rounds (discounted sums), P a prior of YIELD_PRIOR_DRAFTS drafts at the
+    estimators' word; within [YIELD_MIN, YIELD_MAX]. The adaptive policy scales the value of
+    every draft position by it.
+
+    The estimators learn each request's acceptance from its drafted positions, but the policy
+    picks which requests draft by those very estimates: requests are chosen when their estimate
+    is high, luck included, and then accept less than it said (the winner's curse). On the H200
+    (prose-like text, C = 8) a batch speculated for 70 rounds on estimates about twice what it
+    accepted, at 0.73x the AR rate. The realised yield is what the choice actually earns, so it
+    corrects the estimates where the choice is made. Sums rather than a per-round average: a
+    batch of one request, whose rounds expect 3 drafts and accept 0 or 7, moves the factor by
+    its evidence only. While nobody speculates the evidence fades (YIELD_RELAX per decode
+    round) and the factor returns to 1, so a cohort that changed is tried again on its
+    estimators' word."""
+
+    def __init__(self):
+        self._expected = 0.0  # discounted sum of the drafts the estimators expected accepted
+        self._accepted = 0.0  # discounted sum of the drafts accepted
+
+    @property
+    def factor(self) -> float:
+        ratio = (self._accepted + YIELD_PRIOR_DRAFTS) / (self._expected + YIELD_PRIOR_DRAFTS)
+        return min(max(ratio, YIELD_MIN), YIELD_MAX)
+
+    def observe(self, expected: float, accepted: float) -> None:
+        """One speculating round: the drafts its estimators expected accepted, and how many
+        were."""
+        if expected <= 0:
+            return
+        self._expected = YIELD_DISCOUNT * self._expected + expected
+        self._accepted = YIELD_DISCOUNT * self._accepted + accepted
+
+    def relax(self) -> None:
+        """One decode round without drafts: the evidence fades."""
+        self._expected *= YIELD_RELAX
+        self._accepted *= YIELD_RELAX
 
 
 class SpecStretches:
@@ -408,7 +457,8 @@ class AdaptivePolicy:
         survival = usable_survival(view, self.survival(view, estimator))  # [n, D]
         # Hysteresis (one-sided, see HYSTERESIS): a speculating request's positions are worth
         # survival x (1 + h) to the planner.
-        factor = np.where(view.was_spec, 1.0 + self.hysteresis, 1.0)
+        # (the yield factor: what such estimates have been earning, see YieldTracker)
+        factor = np.where(view.was_spec, 1.0 + self.hysteresis, 1.0) * view.yield_factor
         value = survival * factor[:, None]  # [n, D]
         usable = survival > 0
         key = np.where(usable, value, -1.0)

@@ -40,6 +40,7 @@ from scheduler.policy import (
     DecodeView,
     RateTracker,
     SpecPolicy,
+    YieldTracker,
 )
 from scheduler.request import (
     SPECULATION_CHOICES,
@@ -202,7 +203,9 @@ class Scheduler:
         self._to_release: list[Request] = []  # finished/aborted/preempted, freed by next plan
         # plans launched and not yet updated, oldest first (two when one was advanced), each
         # with the cost model's raw prediction, run ahead and alone (they differ for AR rounds)
-        self._inflight: list[tuple[RoundPlan, float, float]] = []
+        # rounds launched and not updated yet: (plan, raw price, raw price alone, accepted
+        # drafts the estimators expected)
+        self._inflight: list[tuple[RoundPlan, float, float, float]] = []
         # the launched AR round whose one token per request is already counted (advance())
         self._advanced: RoundPlan | None = None
         self._advanced_live = np.zeros(0, dtype=bool)  # [n] its rows that advance() counted
@@ -240,6 +243,7 @@ class Scheduler:
         self._last_plan: RoundPlan | None = None
         self._last_measured_ms = 0.0
         self.rate_tracker = RateTracker()
+        self.yield_tracker = YieldTracker()
         self._round_ar_rate = 0.0  # tokens per ms of the last plan's all-AR alternative
         self._num_switches = 0
         self._num_preemptions = 0
@@ -590,7 +594,7 @@ class Scheduler:
         raw_alone = self._last_raw_ms
         if total_rows and d_max == 0 and not num_prefill_rows:
             raw_alone /= self.cost_model.profile.ahead_ratio_scalar(total_rows)
-        self._inflight.append((plan, self._last_raw_ms, raw_alone))
+        self._inflight.append((plan, self._last_raw_ms, raw_alone, self._last_extra_tokens))
         self._cohort_changed = False
         # Slots released by this plan become reusable from the next plan on.
         self._free_slots.extend(released)
@@ -756,6 +760,7 @@ class Scheduler:
             cohort_changed=self._cohort_changed,
             draining=draining,
             rate_bar=self.rate_tracker.uplift * base_tokens / ar_ms,
+            yield_factor=self.yield_tracker.factor,
         )
         return view, ar_ms
 
@@ -921,7 +926,7 @@ class Scheduler:
         self._last_measured_ms = measured_ms
         while self._inflight and self._inflight[0][0].round_id < result.round_id:
             self._inflight.pop(0)  # planned with nothing to run: never launched
-        plan, raw_ms, raw_alone = self._inflight[0] if self._inflight else (None, 0.0, 0.0)
+        plan, raw_ms, raw_alone, expected = self._inflight[0] if self._inflight else (None, 0, 0, 0)
         if plan is not None and plan.round_id == result.round_id:
             self._inflight.pop(0)
         else:
@@ -970,6 +975,12 @@ class Scheduler:
         cols = _DeltaColumns()
         if n:
             self._apply_decode(dec, out, tokens, cols)
+            d = dec.num_draft
+            if d.any():
+                accepted = float(np.minimum(out.num_accepted[:n], d).sum())
+                self.yield_tracker.observe(expected, accepted)
+            else:
+                self.yield_tracker.relax()
         for j, q in enumerate(plan.prefills):
             self._apply_prefill(q, out, n + j, tokens[starts[n + j] : starts[n + j + 1]], cols)
         if self._round_ar_rate > 0:

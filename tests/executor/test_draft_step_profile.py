@@ -68,3 +68,17 @@ def test_catch_up_of_a_whole_prompt_is_timed_as_one_forward_of_its_rows():
     # per call one forward of every context row (one draft: no chain step)
     assert rows_seen == [8] * 3 + [32] * 3
     assert time_draft_catchup(model, (), repeats=1, graphs=False) == []  # a short context
+
+
+def test_catch_up_past_one_prompt_is_timed_as_several_prompts_in_one_forward():
+    from executor.profiler import catchup_profile_rows, time_draft_catchup
+
+    model, rows_seen = _model_counting_rows()
+    out = time_draft_catchup(model, (8, 32), repeats=2, graphs=False, rows_per_req=8)
+    assert [n for n, _ in out] == [8, 32] and all(ms > 0 for _, ms in out)
+    # 32 rows: four prompts of 8 rows, caught up together in one forward per call
+    assert rows_seen == [8] * 3 + [32] * 3
+    # the profile's row counts: whole prompts of at most 1024 rows, up to 16 of them
+    assert catchup_profile_rows(4096) == (256, 1024, 4096, 16384)
+    assert catchup_profile_rows(600) == (256,)
+    assert catchup_profile_rows(100) == ()
