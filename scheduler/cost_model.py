@@ -66,6 +66,12 @@ rounds charged 1.3x (`python -m loadtests.policy_replay --spec-bias 1.3 --noise 
 --prompt-len 1024`), code-like text at C = 16 speculated on 21% of request-rounds with one
 correction for all rounds (56% at 15% noise), and on 0.2% with one per class (9% at 15% noise;
 unbiased, 64%: it still speculates where speculating rounds cost what the profile says).
+Rounds with prefill chunks are a third class: their eager forward is priced by other curves than
+the graphed decode rounds, and the H200 measured it 10-20% above the profile (2026-11-30 04:30
+UTC). Counted as AR rounds, the two dozen prefill rounds that start a refill run raised the AR
+correction to ~1.2 while no AR decode round had run yet, and the all-AR alternative of a
+speculating batch was priced 25-40% above what AR rounds then took (code-like text, C = 16..32:
+"pred +35-50% tok/s vs AR" for rounds that earned +8%).
 """
 
 from __future__ import annotations
@@ -76,6 +82,20 @@ import math
 from pathlib import Path
 
 import numpy as np
+
+# Calibration classes: AR decode rounds, speculating decode rounds, rounds with prefill chunks.
+CALIB_AR, CALIB_SPEC, CALIB_PREFILL = 0, 1, 2
+NUM_CALIB_CLASSES = 3
+
+
+def calib_class(has_spec, has_prefill=False):
+    """The calibration class of rounds (scalars or arrays): with prefill chunks, else
+    speculating or AR."""
+    if np.ndim(has_spec) == 0 and np.ndim(has_prefill) == 0:
+        return CALIB_PREFILL if has_prefill else (CALIB_SPEC if has_spec else CALIB_AR)
+    spec = np.asarray(has_spec, dtype=np.int64)
+    return np.where(np.asarray(has_prefill, dtype=bool), CALIB_PREFILL, spec)
+
 
 # Calibration constants (why these values):
 # - CALIB_ALPHA: EMA weight of one round; 0.2 averages ~5 rounds, enough to smooth the few-%
@@ -647,13 +667,13 @@ class CostModel:
         self.profile = profile
         self.drafter_prefill = drafter_prefill
         num_shapes = len(profile.row_buckets) + 1
-        # [2, num_shapes]: row 0 AR-only rounds, row 1 rounds with a drafter chain.
-        self._log_corr = np.zeros((2, num_shapes))
-        self._count = np.zeros((2, num_shapes))
-        # per class (AR-only rounds, rounds with a drafter chain): the correction a bucket
-        # shrinks toward
-        self._global_log_corr = np.zeros(2)
-        self._eff = np.ones((2, num_shapes))  # exp of the shrunk log correction
+        # [NUM_CALIB_CLASSES, num_shapes]: rows by calib_class (AR decode rounds, speculating
+        # decode rounds, rounds with prefill chunks)
+        self._log_corr = np.zeros((NUM_CALIB_CLASSES, num_shapes))
+        self._count = np.zeros((NUM_CALIB_CLASSES, num_shapes))
+        # per class: the correction a bucket shrinks toward
+        self._global_log_corr = np.zeros(NUM_CALIB_CLASSES)
+        self._eff = np.ones((NUM_CALIB_CLASSES, num_shapes))  # exp of the shrunk log correction
         self._eff_list = self._eff.tolist()
         self.num_observations = 0
 
@@ -661,9 +681,9 @@ class CostModel:
     def from_file(cls, path: str | Path, drafter_prefill: bool = False) -> CostModel:
         return cls(ProfileCost.from_file(path), drafter_prefill)
 
-    def correction(self, num_rows, has_spec) -> np.ndarray:
+    def correction(self, num_rows, has_spec, has_prefill=False) -> np.ndarray:
         idx = self.profile.bucket_index(num_rows)
-        return self._eff[np.asarray(has_spec, dtype=np.int64), idx]
+        return self._eff[calib_class(has_spec, has_prefill), idx]
 
     def raw_ms_scalar(
         self,
@@ -705,12 +725,14 @@ class CostModel:
             num_prefill_rows,
             num_draft_rows,
         )
-        return self.correct_ms_scalar(raw, num_rows, draft_depth > 0)
+        return self.correct_ms_scalar(raw, num_rows, draft_depth > 0, num_prefill_rows > 0)
 
-    def correct_ms_scalar(self, raw_ms: float, num_rows: int, has_spec: bool) -> float:
+    def correct_ms_scalar(
+        self, raw_ms: float, num_rows: int, has_spec: bool, has_prefill: bool = False
+    ) -> float:
         """The calibrated prediction of a shape whose raw_ms_scalar is already known."""
         idx = self.profile.bucket_index_scalar(num_rows)
-        return raw_ms * self._eff_list[1 if has_spec else 0][idx]
+        return raw_ms * self._eff_list[calib_class(has_spec, has_prefill)][idx]
 
     def predict_ms(
         self,
@@ -732,7 +754,8 @@ class CostModel:
             self.drafter_prefill,
             num_draft_rows,
         )
-        return raw * self.correction(num_rows, np.asarray(draft_depth) > 0)
+        has_prefill = np.asarray(num_prefill_rows) > 0
+        return raw * self.correction(num_rows, np.asarray(draft_depth) > 0, has_prefill)
 
     def predict_spec_grid(
         self,
@@ -759,7 +782,7 @@ class CostModel:
         # the engine's host time by the round's decoding requests (round_ms infers them from
         # its rows: the same when every speculating request drafts the same depth)
         fixed = fixed + p.spec_host_ms_scalar(base_rows - num_prefill_rows)
-        corr = self.correction(rows, True)  # [R]
+        corr = self.correction(rows, True, num_prefill_rows > 0)  # [R]
         num_spec = np.asarray(num_spec)
         lag_rows = np.asarray(lag_rows)
         if p.has_spec_tables:
@@ -791,30 +814,39 @@ class CostModel:
         if self.drafter_prefill and num_prefill_rows:
             fixed = fixed + p._draft.scalar(num_prefill_rows)
         fixed = fixed + p.spec_host_ms_scalar(base_rows - num_prefill_rows)
-        return self.correction(rows, True), fixed
+        return self.correction(rows, True, num_prefill_rows > 0), fixed
 
-    def observe(self, num_rows: int, has_spec: bool, raw_predicted_ms: float, measured_ms: float):
+    def observe(
+        self,
+        num_rows: int,
+        has_spec: bool,
+        raw_predicted_ms: float,
+        measured_ms: float,
+        has_prefill: bool = False,
+    ):
         """Feeds one executed round: `raw_predicted_ms` is the uncorrected prediction."""
         if raw_predicted_ms <= 0 or measured_ms <= 0:
             return
         log_ratio = math.log(measured_ms / raw_predicted_ms)
         self._count *= CALIB_DECAY
-        s, b = int(has_spec), self.profile.bucket_index_scalar(num_rows)
+        s, b = calib_class(has_spec, has_prefill), self.profile.bucket_index_scalar(num_rows)
         if self._count[s, b] < 1e-3:
             self._log_corr[s, b] = log_ratio  # first look at this shape: take it as is
         else:
             self._log_corr[s, b] += CALIB_ALPHA * (log_ratio - self._log_corr[s, b])
         self._count[s, b] += 1.0
+        # the other classes' corrections drift back to the profile while they do not run (as a
+        # bucket's confidence does), so a class that looked slow is tried again
+        self._global_log_corr *= CALIB_DECAY
+        self._global_log_corr[s] /= CALIB_DECAY
         self._global_log_corr[s] += CALIB_ALPHA * (log_ratio - self._global_log_corr[s])
-        # the other class's correction drifts back to the profile while that class does not
-        # run (as a bucket's confidence does), so a class that looked slow is tried again
-        self._global_log_corr[1 - s] *= CALIB_DECAY
         self.num_observations += 1
         conf = self._count / (self._count + CALIB_PRIOR_COUNT)
-        glob = self._global_log_corr[:, None]  # [2, 1]
+        glob = self._global_log_corr[:, None]  # [NUM_CALIB_CLASSES, 1]
         self._eff = np.exp(glob + conf * (self._log_corr - glob))
         self._eff_list = self._eff.tolist()
 
-    def confidence(self, num_rows: int, has_spec: bool) -> float:
-        c = self._count[int(has_spec), self.profile.bucket_index_scalar(num_rows)]
+    def confidence(self, num_rows: int, has_spec: bool, has_prefill: bool = False) -> float:
+        b = self.profile.bucket_index_scalar(num_rows)
+        c = self._count[calib_class(has_spec, has_prefill), b]
         return float(c / (c + CALIB_PRIOR_COUNT))

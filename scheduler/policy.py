@@ -506,7 +506,7 @@ class AdaptivePolicy:
         gain = (choice.predicted_tokens / choice.predicted_ms) / ar_rate - 1.0 if ar_rate else 0.0
         reason = (
             f"k={num_spec}/{n} d_max={int(num_draft.max(initial=0))} "
-            f"pred {gain * 100:+.1f}% tok/s vs AR"
+            f"pred {gain * 100:+.1f}% tok/s vs AR ({choice.ar_ms:.2f} ms)"
             + probe
             + (" drain" if view.draining else "")
             + (" cohort-change" if view.cohort_changed else "")

@@ -571,7 +571,9 @@ class Scheduler:
                 num_prefill_rows,
                 num_draft_rows=int(decode.num_draft.sum()),
             )
-            predicted_ms = cm.correct_ms_scalar(self._last_raw_ms, total_rows, d_max > 0)
+            predicted_ms = cm.correct_ms_scalar(
+                self._last_raw_ms, total_rows, d_max > 0, num_prefill_rows > 0
+            )
         predicted_tokens = float(len(slots)) + float(
             sum(1 for r, c in prefills if r.num_computed + c == r.num_prefill_target)
         )
@@ -944,7 +946,9 @@ class Scheduler:
                         int(np.count_nonzero(plan.decode.num_draft)),
                         plan.spec_depth - 1,
                     )
-                self.cost_model.observe(plan.num_rows, plan.spec_depth > 1, raw, measured_ms)
+                self.cost_model.observe(
+                    plan.num_rows, plan.spec_depth > 1, raw, measured_ms, bool(plan.prefills)
+                )
         self._pending_obs.append(None)  # this round decays every belief (applied later)
         out = result.out
         if plan is None:

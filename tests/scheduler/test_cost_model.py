@@ -703,6 +703,26 @@ def test_speculating_rounds_share_one_correction_that_ar_rounds_do_not_dilute():
     assert again == pytest.approx(1.0, abs=0.01)
 
 
+def test_prefill_rounds_calibrate_their_own_class_not_the_ar_decode_rounds():
+    """A run starts with prefill rounds measured 20% above the profile and no AR decode round
+    yet: the all-AR alternative of the decode batch keeps the profile's price, a prefill round
+    is predicted at 1.2x, and a prefill round with drafts too (scalar and array paths)."""
+    model = CostModel(PROFILE)
+    for _ in range(25):
+        raw = model.raw_ms_scalar(2048, 20000, 0, 0, 0, 2000)
+        model.observe(2048, False, raw, 1.2 * raw, has_prefill=True)
+    assert model.predict_ms_scalar(32, 32000) == pytest.approx(model.raw_ms_scalar(32, 32000))
+    spec = model.predict_ms_scalar(256, 32000, 7, 32) / model.raw_ms_scalar(256, 32000, 7, 32)
+    assert spec == pytest.approx(1.0)
+    for depth, num_spec in ((0, 0), (3, 4)):
+        raw = model.raw_ms_scalar(1500, 20000, depth, num_spec, 0, 1400)
+        got = model.predict_ms_scalar(1500, 20000, depth, num_spec, 0, 1400)
+        assert got / raw == pytest.approx(1.2, rel=0.03)
+    arr = model.predict_ms(np.array([32, 1500]), np.array([32000, 20000]), 0, 0, 0, [0, 1400])
+    assert arr[0] == pytest.approx(model.raw_ms_scalar(32, 32000))
+    assert arr[1] / model.raw_ms_scalar(1500, 20000, 0, 0, 0, 1400) == pytest.approx(1.2, rel=0.03)
+
+
 @given(
     rows=st.integers(1, 1500),
     depth=st.integers(0, 7),
