@@ -150,6 +150,10 @@ class PendingRound:
     bucket: int = 0
     greedy_dev: torch.Tensor | None = None  # [L] bool on the device: the row decodes greedily
     overlapped: bool = False  # a later round was launched before this one finished
+    behind: bool = False  # launched while an advanced round was still running
+    # on a GPU: recorded when the launch starts and after its last device work (the acceptance)
+    start_event: torch.cuda.Event | None = None
+    end_event: torch.cuda.Event | None = None
     # advanced (see `RoundExecutor.advance`): [n] the token each row emits, on the device
     tokens_dev: torch.Tensor | None = None
 
@@ -204,6 +208,7 @@ class RoundExecutor:
         self._ahead: PendingRound | None = None
         self._ahead_row = np.full(max_slots, -1, dtype=np.int64)
         self._last_end = 0.0  # when the last finish() ended (the period of overlapped rounds)
+        self._last_end_event = None  # the last finished round's end_event (GPU)
         self.sampler = RowSampler(target.config.vocab_size, self.device, base_seed, max_slots)
         self.base_seed = base_seed
         self.sync_phases = sync_phases and self.device.type == "cuda"
@@ -284,6 +289,9 @@ class RoundExecutor:
         """Applies set-ups and releases, drafts, builds the batch and enqueues the forward and
         the acceptance without waiting for the device."""
         p = PendingRound(plan=plan, t0=time.perf_counter())
+        if self.device.type == "cuda":
+            p.start_event = torch.cuda.Event(enable_timing=True)
+            p.start_event.record()
         self._apply_setup_release(plan)
         dec, prefills = plan.decode, plan.prefills
         n = len(dec)
@@ -432,6 +440,7 @@ class RoundExecutor:
         dev = host.upload()
         if self._ahead is not None:
             self._ahead.overlapped = True
+            p.behind = True
         if "ahead_dst" in dev:  # after the upload, in stream order: the tokens of the round ahead
             dev["ids"].index_copy_(
                 0, dev["ahead_dst"], self._ahead.tokens_dev.index_select(0, dev["ahead_src"])
@@ -510,6 +519,9 @@ class RoundExecutor:
         p.num_padded = bucket or num_rows
         p.num_kv_tokens = int(seq_lens.sum())
         p.bucket = bucket
+        if p.start_event is not None:
+            p.end_event = torch.cuda.Event(enable_timing=True)
+            p.end_event.record()
         p.t_launched = time.perf_counter()
         return p
 
@@ -673,11 +685,10 @@ class RoundExecutor:
             # launching the acceptance, then waiting for its copy (the device's remaining work)
             accept_ms=(p.t_launched - p.t_acc0 + t_commit0 - t_wait0) * ms,
             commit_ms=(t_end - t_commit0) * ms,
-            # from launch, or from the previous finish for a round launched before it: the
-            # round's share of the wall time when rounds overlap
-            total_ms=(t_end - max(p.t0, self._last_end)) * ms,
+            total_ms=self._period_ms(p, t_end),
         )
         self._last_end = t_end
+        self._last_end_event = p.end_event
         return RoundResult(
             round_id=plan.round_id,
             out=out,
@@ -688,6 +699,25 @@ class RoundExecutor:
             graph_replayed=bool(p.bucket),
             overlapped=p.overlapped,
         )
+
+    def _period_ms(self, p: PendingRound, t_end: float) -> float:
+        """The round's share of the wall time. On the host: from its launch, or from the previous
+        finish for a round launched before it. Where rounds overlap on a GPU, on the device's
+        timeline instead: from the previous round's end (a round launched behind it) or from
+        its own launch (a round another was launched behind) to its own end. On the host
+        either would also count the host time its neighbour's launch took: an eager prefill
+        chunk launched behind an AR round holds the host for ~30 ms on the H200, which was
+        charged to the AR round (6x its price; the AR correction rose to 1.4-1.7 and the
+        policy speculated against an AR price 40-70% too high), and the chunk's round, whose
+        device work was done by then, measured 2 ms."""
+        host_ms = (t_end - max(p.t0, self._last_end)) * 1e3
+        if p.end_event is None or not (p.behind or p.overlapped):
+            return host_ms
+        start = self._last_end_event if p.behind else p.start_event
+        if start is None:
+            return host_ms
+        p.end_event.synchronize()  # (the acceptance copy was waited for: done or nearly)
+        return float(start.elapsed_time(p.end_event))
 
     def _logprobs(self, p: PendingRound, starts, tokens, num_emitted) -> dict:
         """Logprobs of the emitted tokens for the requests that asked (one more device op)."""
