@@ -140,8 +140,9 @@ class YieldTracker:
     The estimators learn each request's acceptance from its drafted positions, but the policy
     picks which requests draft by those very estimates: requests are chosen when their estimate
     is high, luck included, and then accept less than it said (the winner's curse). On the H200
-    (prose-like text, C = 8) a batch speculated for 70 rounds on estimates about twice what it
-    accepted, at 0.73x the AR rate. The realised yield is what the choice actually earns, so it
+    (prose-like text, C = 8) a batch speculated for 71 rounds at 0.73x the AR rate of its AR
+    rounds, and prose-like requests accepted 0.45-0.69 of the drafts their estimates expected
+    (`docs/perf/gpu.md`). The realised yield is what the choice actually earns, so it
     corrects the estimates where the choice is made. Sums rather than a per-round average: a
     batch of one request, whose rounds expect 3 drafts and accept 0 or 7, moves the factor by
     its evidence only. While nobody speculates the evidence fades (YIELD_RELAX per decode

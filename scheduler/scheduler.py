@@ -202,9 +202,8 @@ class Scheduler:
         self._free_slots: list[int] = list(range(config.max_concurrency - 1, -1, -1))
         self._to_release: list[Request] = []  # finished/aborted/preempted, freed by next plan
         # plans launched and not yet updated, oldest first (two when one was advanced), each
-        # with the cost model's raw prediction, run ahead and alone (they differ for AR rounds)
-        # rounds launched and not updated yet: (plan, raw price, raw price alone, accepted
-        # drafts the estimators expected)
+        # with the cost model's raw prediction, run ahead and alone (they differ for AR rounds),
+        # and the accepted drafts the estimators expected of it
         self._inflight: list[tuple[RoundPlan, float, float, float]] = []
         # the launched AR round whose one token per request is already counted (advance())
         self._advanced: RoundPlan | None = None
