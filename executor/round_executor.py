@@ -172,6 +172,7 @@ class RoundExecutor:
         sync_phases: bool = False,
         graphs: str = "off",
         max_graph_rows: int = 512,
+        drafter_follows_prefill: bool = False,
     ):
         self.target = target
         self.device = target.device
@@ -187,6 +188,7 @@ class RoundExecutor:
             device=target.device,
         )
         self.drafter = drafter
+        self._follow_prefill = drafter_follows_prefill
         self.vocab_size = target.config.vocab_size
         # Per-slot host state, one row per slot.
         self.slot_req = np.full(max_slots, -1, dtype=np.int64)  # req_id, -1: free
@@ -519,11 +521,25 @@ class RoundExecutor:
         p.num_padded = bucket or num_rows
         p.num_kv_tokens = int(seq_lens.sum())
         p.bucket = bucket
+        if self.follow_prefill and prefills:
+            # after the target's forward: on a GPU these launches overlap its device time
+            starts = [q.num_computed for q in prefills]
+            self.drafter.follow_prefill(
+                [q.slot for q in prefills],
+                starts,
+                [self.tokens[q.slot, a : a + q.num_new] for q, a in zip(prefills, starts)],
+            )
         if p.start_event is not None:
             p.end_event = torch.cuda.Event(enable_timing=True)
             p.end_event.record()
         p.t_launched = time.perf_counter()
         return p
+
+    @property
+    def follow_prefill(self) -> bool:
+        """Whether the drafter computes each prefill chunk's draft KV in the chunk's round:
+        asked for, and the drafter (which a benchmark may swap) can."""
+        return self._follow_prefill and bool(getattr(self.drafter, "follows_prefill", False))
 
     def can_advance(self, p: PendingRound) -> bool:
         """Whether the next round may be launched before `p` finishes: `p` is AR rows only

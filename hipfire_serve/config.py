@@ -38,6 +38,11 @@ class EngineConfig:
     graphs: str = _f(
         "lazy", "CUDA/HIP graphs for decode rounds", choices=("lazy", "startup", "off")
     )
+    drafter_follows_prefill: bool = _f(
+        False,
+        "a draft model computes each prefill chunk's KV in the chunk's round, so a request's "
+        "first speculating round needs no catch-up on its prompt",
+    )
     overlap_rounds: bool = _f(
         True,
         "launch an AR decode round before the previous one finishes (its tokens stay on the "

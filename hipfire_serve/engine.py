@@ -207,6 +207,7 @@ class Engine:
             base_seed=config.seed,
             graphs=config.graphs,
             max_graph_rows=slots * config.spec_depth,
+            drafter_follows_prefill=config.drafter_follows_prefill,
         )
         self._tenants = tuple(tenants)
         self._next_id = 0
@@ -233,6 +234,7 @@ class Engine:
                 max_prefill_tokens=config.max_prefill_tokens,
                 max_model_len=self.max_model_len,
                 has_drafter=self.drafter is not None,
+                drafter_follows_prefill=self.executor.follow_prefill,
             ),
             num_kv_blocks=self.num_kv_blocks,
             cost_model=cost_model,

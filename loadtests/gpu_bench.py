@@ -89,6 +89,8 @@ class BenchConfig(RefillBench):
     seed: int = 0
     acceptance: str = str(PROFILES / "acceptance.json")
     keep_rounds: bool = False  # every step's record in the JSON (tests check the arithmetic)
+    # the draft model computes prefill chunks' KV in their rounds (EngineConfig's option)
+    drafter_follows_prefill: bool = False
     workers: int = 0  # simulator processes; 0: one per CPU (at most 16)
 
     def points(self) -> list[tuple[str, str]]:
@@ -191,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="small CPU preset (random:tiny)")
     ap.add_argument("--out", required=True, help="folder for gpu.md, gpu.json and the plots")
     ap.add_argument("--keep-rounds", action="store_true", help="every step's record in the JSON")
+    ap.add_argument(
+        "--drafter-follows-prefill",
+        action="store_true",
+        help="the draft model computes prefill chunks' KV in their rounds",
+    )
     for flag, (name, _) in FLAGS.items():
         default = getattr(BenchConfig, name)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
@@ -207,6 +214,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             changes[name] = parse(value)
     if args.keep_rounds:
         changes["keep_rounds"] = True
+    if args.drafter_follows_prefill:
+        changes["drafter_follows_prefill"] = True
     cfg = dataclasses.replace(cfg, **changes)
     unknown = [p for p in cfg.policies if p not in REAL_POLICIES]
     unknown += [p for p in cfg.sim_policies if p not in SIM_POLICIES]

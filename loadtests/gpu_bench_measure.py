@@ -126,7 +126,7 @@ def _sim_task(task: tuple) -> dict:
     from scheduler.sim.runner import SimSetup, Workload, run_sim
 
     (profile_path, acceptance, cohort, policy, c, workload, spec_depth, max_prefill, seed,
-     run_seed, trace_keys) = task  # fmt: skip
+     run_seed, trace_keys, follows_prefill) = task  # fmt: skip
     result = run_sim(
         ProfileCost.from_file(profile_path),
         load_cohorts(acceptance)[cohort],
@@ -141,6 +141,7 @@ def _sim_task(task: tuple) -> dict:
             workload_seed=run_seed,
             trace_seed=run_seed,
             trace_keys=trace_keys,
+            drafter_follows_prefill=follows_prefill,
         ),
         Workload(**workload),
     )
@@ -189,6 +190,7 @@ def simulate(cfg: BenchConfig, paths: dict, vocab: int) -> dict[tuple, dict]:
                     cfg.seed + s,
                     cfg.seed,
                     keys_at[c],
+                    cfg.drafter_follows_prefill,
                 )
             )
     workers = cfg.workers or min(os.cpu_count() or 1, 16)

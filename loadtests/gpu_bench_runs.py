@@ -173,6 +173,7 @@ def build_engine(cfg: BenchConfig):
             dtype=cfg.dtype,
             graphs="lazy",
             seed=cfg.seed,
+            drafter_follows_prefill=cfg.drafter_follows_prefill,
         )
     )
 
@@ -229,6 +230,8 @@ def install(engine, cfg: BenchConfig, concurrency: int, policy: str, profile_pat
             max_prefill_tokens=ec.max_prefill_tokens,
             max_model_len=engine.max_model_len,
             has_drafter=True,
+            drafter_follows_prefill=cfg.drafter_follows_prefill
+            and bool(getattr(drafter, "follows_prefill", False)),
         ),
         num_kv_blocks=engine.num_kv_blocks,
         cost_model=CostModel.from_file(profile_path),

@@ -116,6 +116,17 @@ class SyntheticDrafter:
         self._traces.pop(slot, None)
         self._base_len.pop(slot, None)
 
+    @property
+    def follows_prefill(self) -> bool:
+        """Whether the inner drafter can compute prefill chunks alongside the target."""
+        return hasattr(self.inner, "follow_prefill")
+
+    def follow_prefill(self, slots, starts, chunks) -> int:
+        """The inner drafter's prefill following, for its cost (0 rows without one)."""
+        if not self.follows_prefill:
+            return 0
+        return self.inner.follow_prefill(slots, starts, chunks)
+
     def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch:
         # the inner drafter's work is the cost being modelled; its tokens are not used
         paid = self.inner.propose(requests, greedy) if self.inner is not None else None

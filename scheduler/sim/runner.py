@@ -83,6 +83,8 @@ class SimSetup:
     workload_seed: int | None = None
     trace_seed: int | None = None
     trace_keys: tuple[int, ...] = ()
+    # the drafter computes prefill chunks alongside the target (no catch-up on the prompt)
+    drafter_follows_prefill: bool = False
 
 
 @dataclass
@@ -157,6 +159,7 @@ def run_sim(
         spec_depth=setup.spec_depth,
         block_size=setup.block_size,
         max_prefill_tokens=setup.max_prefill_tokens,
+        drafter_follows_prefill=setup.drafter_follows_prefill,
     )
     longest = workload.prompt_len * 3 // 2 + workload.max_tokens + setup.spec_depth
     num_blocks = setup.num_kv_blocks or c * num_blocks_for(longest, setup.block_size) + 1

@@ -117,6 +117,7 @@ class RunLog:
     stops_inside_run: dict[str, int] = field(default_factory=dict)
     mode_switches: int = 0
     num_preemptions: int = 0
+    num_catchup_rows: int = 0  # rows the drafter caught up on in its proposals
 
 
 class MisreportingDrafter(DraftModelDrafter):
@@ -149,7 +150,9 @@ def make_drafter(kind: str, models: dict[str, Model], num_blocks: int, max_slots
     )
 
 
-def make_executor(target: Model, drafter, num_blocks: int, max_slots: int) -> RoundExecutor:
+def make_executor(
+    target: Model, drafter, num_blocks: int, max_slots: int, follows_prefill: bool = False
+) -> RoundExecutor:
     return RoundExecutor(
         target,
         num_blocks=num_blocks,
@@ -157,6 +160,7 @@ def make_executor(target: Model, drafter, num_blocks: int, max_slots: int) -> Ro
         max_slots=max_slots,
         max_model_len=MAX_MODEL_LEN + SPEC_DEPTH,
         drafter=drafter,
+        drafter_follows_prefill=follows_prefill,
     )
 
 
@@ -172,6 +176,7 @@ def run_requests(
     num_blocks: int = 160,
     max_prefill_tokens: int = 24,
     on_plan=None,
+    follows_prefill: bool = False,
 ) -> RunLog:
     """Runs `specs` to completion; asserts the KV pool is back to idle at the end."""
     drafter = make_drafter(drafter_kind, models, num_blocks, max_slots)
@@ -186,14 +191,25 @@ def run_requests(
             max_prefill_tokens=max_prefill_tokens,
             max_model_len=MAX_MODEL_LEN,
             has_drafter=has_drafter,
+            drafter_follows_prefill=follows_prefill,
         ),
         num_kv_blocks=num_blocks,
         policy=RandomDepthPolicy(rng, p_spec, max_drafts) if has_drafter else None,
     )
-    ex = make_executor(models["target"], drafter, num_blocks, max_slots)
+    ex = make_executor(models["target"], drafter, num_blocks, max_slots, follows_prefill)
+    assert ex.follow_prefill == (follows_prefill and drafter_kind.startswith("draft"))
     for s in specs:
         sched.add_request(s)
     log = RunLog(outputs={s.req_id: [] for s in specs})
+    if drafter is not None:
+        propose = drafter.propose
+
+        def counted(requests, greedy):
+            batch = propose(requests, greedy)
+            log.num_catchup_rows += batch.extra.get("num_catchup_rows", 0)
+            return batch
+
+        drafter.propose = counted
     last_mode: dict[int, Mode] = {}
     num_rounds = 0
     while sched.has_work():
@@ -329,6 +345,59 @@ def test_greedy_spec_equals_ar_when_requests_are_preempted(models):
     assert log.num_preemptions > 0
     for i in range(len(specs)):
         assert log.outputs[i] == refs[i], f"request {i}"
+
+
+@pytest.mark.parametrize("num_blocks", [160, 24])
+def test_greedy_spec_equals_ar_with_the_draft_model_following_prefills(models, num_blocks):
+    """The draft model computes each prefill chunk's KV in the chunk's round (chunks of 24
+    rows, several per round), so a request's first decode round finds its drafter caught up on
+    the prompt; with 24 blocks requests are preempted and recomputed too. Outputs are those of
+    plain AR decoding either way."""
+    rng = np.random.default_rng([7, num_blocks])
+    vocab = models["target"].config.vocab_size
+    prompts = [random_prompt(rng, vocab) + random_prompt(rng, vocab) for _ in range(6)]
+    max_tokens = [int(rng.integers(20, 60)) for _ in range(6)]
+    refs = ar_reference(models, prompts, max_tokens)
+    specs = [
+        RequestSpec(req_id=i, prompt_token_ids=p, sampling=GREEDY, max_tokens=m)
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
+    catchup_rows = {}
+    for follows in (True, False):
+        prefilled, first_lags = set(), []
+
+        def watch(plan, sched, prefilled=prefilled, first_lags=first_lags):
+            """The drafter's lag at each request's first decode round after a prefill."""
+            for req_id, slot in zip(plan.decode.req_ids.tolist(), plan.decode.slots.tolist()):
+                if req_id in prefilled:
+                    prefilled.discard(req_id)
+                    first_lags.append(int(sched._drafter_lag[slot]))
+            prefilled.update(q.req_id for q in plan.prefills)
+
+        log = run_requests(
+            models,
+            specs,
+            "draft-near",
+            np.random.default_rng([7, num_blocks, follows]),
+            num_blocks=num_blocks,
+            follows_prefill=follows,
+            on_plan=watch,
+        )
+        if num_blocks == 24:
+            assert log.num_preemptions > 0
+        assert log.num_spec_rows > 0 and log.num_accepted > 0
+        for i in range(len(specs)):
+            assert log.outputs[i] == refs[i], f"follows {follows}, request {i}"
+        assert len(first_lags) >= len(specs)
+        catchup_rows[follows] = log.num_catchup_rows
+        if follows:
+            assert first_lags == [0] * len(first_lags)
+            # only tokens decoded plainly, and the last draft of a fully accepted chain (one
+            # row at most per speculating request-round, which verifies at least 2 rows)
+            assert log.num_catchup_rows <= log.num_ar_rows + log.num_spec_rows // 2
+        else:  # the whole prompt (and outputs, after a preemption) to catch up
+            assert min(first_lags) >= min(len(p) for p in prompts)
+    assert catchup_rows[False] > catchup_rows[True] + sum(len(p) for p in prompts) // 2
 
 
 def test_draft_model_writes_stay_inside_blocks_the_plan_allocated(models):
