@@ -119,6 +119,28 @@ def measure_idle(engine, cfg: BenchConfig, paths: dict, model_inner) -> dict:
 
 
 # -- the simulator -------------------------------------------------------------------------
+def sim_task(
+    cfg: BenchConfig, profile_path, cohort: str, policy: str, c: int, sim_seed: int, trace_keys
+) -> tuple:
+    """The arguments of one simulator run (`_sim_task`) of `cfg`'s workload at C = `c`,
+    replaying the engine run of seed `cfg.seed` (its workload and acceptance traces, keyed by
+    `trace_keys`) under the simulator's own timing noise `sim_seed`."""
+    return (
+        profile_path,
+        cfg.acceptance,
+        cohort,
+        policy,
+        c,
+        dataclasses.asdict(cfg.workload(c)),
+        cfg.spec_depth,
+        cfg.max_prefill_tokens,
+        sim_seed,
+        cfg.seed,
+        tuple(trace_keys),
+        cfg.drafter_follows_prefill,
+    )
+
+
 def _sim_task(task: tuple) -> dict:
     """One simulator run (module-level: runs in worker processes; imports no torch)."""
     from scheduler.cost_model import ProfileCost
@@ -173,26 +195,19 @@ def simulate(cfg: BenchConfig, paths: dict, vocab: int) -> dict[tuple, dict]:
         for p in cfg.sim_policies
         if p != AR
     ]
-    tasks = []
-    for policy, drafter, cohort, c in keys:
-        workload = dataclasses.asdict(cfg.workload(c))
-        for s in range(cfg.sim_seeds):
-            tasks.append(
-                (
-                    paths[drafter],
-                    cfg.acceptance,
-                    cohort if cohort != ANY else cfg.points()[0][1],
-                    policy,
-                    c,
-                    workload,
-                    cfg.spec_depth,
-                    cfg.max_prefill_tokens,
-                    cfg.seed + s,
-                    cfg.seed,
-                    keys_at[c],
-                    cfg.drafter_follows_prefill,
-                )
-            )
+    tasks = [
+        sim_task(
+            cfg,
+            paths[drafter],
+            cohort if cohort != ANY else cfg.points()[0][1],
+            policy,
+            c,
+            cfg.seed + s,
+            keys_at[c],
+        )
+        for policy, drafter, cohort, c in keys
+        for s in range(cfg.sim_seeds)
+    ]
     workers = cfg.workers or min(os.cpu_count() or 1, 16)
     if workers == 1:
         results = [_sim_task(t) for t in tasks]

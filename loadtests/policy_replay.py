@@ -89,7 +89,7 @@ def replay(
     from hipfire_serve.engine import Engine
     from hipfire_serve.types import SamplingParams
     from loadtests.gpu_bench import BenchConfig
-    from loadtests.gpu_bench_measure import _sim_task
+    from loadtests.gpu_bench_measure import _sim_task, sim_task
     from loadtests.gpu_bench_runs import drive_refill, install, make_prompts
     from scheduler.cost_model import ProfileCost
     from scheduler.sim.acceptance_model import trace_key
@@ -142,23 +142,10 @@ def replay(
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         prompts = make_prompts(cfg, concurrency, engine.target.config.vocab_size)
         steps, _, num_failed = drive_refill(engine, prompts, concurrency, params)
-        workload = dataclasses.asdict(cfg.workload(concurrency))
+        # the engine's run (seed cfg.seed): its workload and acceptance traces
+        keys = tuple(trace_key(p) for p in prompts)
         sims = [
-            _sim_task(
-                (
-                    path,
-                    cfg.acceptance,
-                    cohort,
-                    "adaptive",
-                    concurrency,
-                    workload,
-                    cfg.spec_depth,
-                    cfg.max_prefill_tokens,
-                    cfg.seed + s,
-                    cfg.seed,  # the engine's run: its workload and acceptance traces
-                    tuple(trace_key(p) for p in prompts),
-                )
-            )
+            _sim_task(sim_task(cfg, path, cohort, "adaptive", concurrency, cfg.seed + s, keys))
             for s in range(seeds)
         ]
     sim_shares = []
