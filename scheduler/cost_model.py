@@ -91,7 +91,8 @@ NUM_CALIB_CLASSES = 3
 def calib_class(has_spec, has_prefill=False):
     """The calibration class of rounds (scalars or arrays): with prefill chunks, else
     speculating or AR."""
-    if np.ndim(has_spec) == 0 and np.ndim(has_prefill) == 0:
+    if not isinstance(has_spec, np.ndarray) and not isinstance(has_prefill, np.ndarray):
+        # (plain truth tests: the planner's scalar pricing calls this per candidate)
         return CALIB_PREFILL if has_prefill else (CALIB_SPEC if has_spec else CALIB_AR)
     spec = np.asarray(has_spec, dtype=np.int64)
     return np.where(np.asarray(has_prefill, dtype=bool), CALIB_PREFILL, spec)

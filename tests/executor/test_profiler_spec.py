@@ -30,7 +30,8 @@ def test_a_proposal_after_a_verified_round_catches_up_one_or_two_rows_per_reques
     assert k3[3:] == [4, 3, 3] * 3
 
 
-def test_build_profile_measures_speculating_shapes(tmp_path):
+def _draft_model_engine_and_profile(tmp_path):
+    """A tiny target with a tiny draft model (4 slots, spec depth 4) and its profile."""
     target = make_tiny_model(tmp_path / "t", "llama")
     draft = make_tiny_model(tmp_path / "d", "llama", seed=1)
     engine = Engine(
@@ -53,6 +54,11 @@ def test_build_profile_measures_speculating_shapes(tmp_path):
         with_ceilings=False,
         host_overhead=False,
     )
+    return engine, prof
+
+
+def test_build_profile_measures_speculating_shapes(tmp_path):
+    _, prof = _draft_model_engine_and_profile(tmp_path)
     t = prof["target"]
     # k over the powers of two up to the 4 slots, r in (2, 4) within spec depth 4
     assert [(k, r) for k, r, _ in t["spec_rows_ms"]] == [(k, r) for k in (1, 2, 4) for r in (2, 4)]
@@ -123,18 +129,7 @@ def test_spec_round_ratio_is_the_engines_rounds_over_their_price(tmp_path):
 
     from executor.profiler import time_spec_round_ratio
 
-    target = make_tiny_model(tmp_path / "t", "llama")
-    draft = make_tiny_model(tmp_path / "d", "llama", seed=1)
-    engine = Engine(
-        EngineConfig(
-            model=str(target), draft=str(draft), device="cpu", dtype="float32",
-            max_concurrency=4, spec_depth=4, kv_cache_memory="16MiB", spec_mode="ar",
-        )
-    )  # fmt: skip
-    prof = build_profile(
-        engine, rows=(1, 2, 8), kv_lens=(16, 48), repeats=1, with_ceilings=False,
-        host_overhead=False,
-    )  # fmt: skip
+    engine, prof = _draft_model_engine_and_profile(tmp_path)
     scheduler = engine.scheduler
     fair = time_spec_round_ratio(engine, prof, (1, 4), context_len=16, num_steps=3)
     assert engine.scheduler is scheduler and not engine.has_unfinished()

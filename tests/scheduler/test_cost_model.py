@@ -84,6 +84,24 @@ def test_unseen_shapes_keep_the_profile_and_get_reprobed():
     assert model.confidence(512, True) < 0.1 * CALIB_PRIOR_COUNT
 
 
+def _scalar_predictions(model, base_rows, prefill, cells, with_draft_rows):
+    """predict_ms_scalar of each planner candidate (draft rows, depth, speculating requests,
+    lag rows) on top of `base_rows` rows and 5000 KV tokens, its drafts passed as its draft
+    rows or left to the default (depth x requests)."""
+    return [
+        model.predict_ms_scalar(
+            base_rows + extra,
+            5000 + extra,
+            depth,
+            num_spec,
+            lag,
+            prefill,
+            num_draft_rows=extra if with_draft_rows else None,
+        )
+        for extra, depth, num_spec, lag in cells
+    ]
+
+
 # candidates of one planned round: (draft rows, depth, speculating requests, lag rows)
 PLANNER_CELLS = st.lists(
     st.tuples(st.integers(0, 900), st.integers(1, 7), st.integers(1, 200), st.integers(0, 400)),
@@ -104,16 +122,9 @@ def test_planner_grid_matches_predict_ms(base_rows, prefill, cells):
         model.observe(rows, True, raw, raw * rng.uniform(0.8, 1.2))
     extra, depth, num_spec, lag = (np.array(v) for v in zip(*cells))
     grid = model.predict_spec_grid(base_rows, 5000, extra, depth, num_spec, lag, prefill)
-    for i in range(len(cells)):
-        want = model.predict_ms_scalar(
-            int(base_rows + extra[i]),
-            int(5000 + extra[i]),
-            int(depth[i]),
-            int(num_spec[i]),
-            int(lag[i]),
-            prefill,
-        )
-        assert grid[i] == pytest.approx(want, rel=1e-9)
+    wants = _scalar_predictions(model, base_rows, prefill, cells, with_draft_rows=False)
+    for got, want in zip(grid, wants):
+        assert got == pytest.approx(want, rel=1e-9)
 
 
 def test_single_point_profile_is_flat():
@@ -582,16 +593,8 @@ def test_planner_terms_with_spec_tables_match_predict_ms(base_rows, prefill, cel
     grid = model.predict_spec_grid(base_rows, 5000, extra, depth, num_spec, lag, prefill)
     corr, fixed = model.spec_row_terms(base_rows, 5000, int(extra.max()), prefill)
     terms = NOISY.spec_terms_ms(num_spec, extra, depth) + NOISY.catchup_extra_ms(num_spec, lag)
-    for i in range(len(cells)):
-        want = model.predict_ms_scalar(
-            int(base_rows + extra[i]),
-            int(5000 + extra[i]),
-            int(depth[i]),
-            int(num_spec[i]),
-            int(lag[i]),
-            prefill,
-            num_draft_rows=int(extra[i]),
-        )
+    wants = _scalar_predictions(model, base_rows, prefill, cells, with_draft_rows=True)
+    for i, want in enumerate(wants):
         assert grid[i] == pytest.approx(want, rel=1e-9)
         ratio = NOISY.spec_ratio_scalar(int(num_spec[i]))
         planner = corr[extra[i]] * (fixed[extra[i]] + terms[i]) * ratio
