@@ -6,7 +6,9 @@ KV split count fits the context actually served instead of the longest possible 
 live in static buffers; a decode round has at most as many sequences as rows, so the sequence
 dimension is min(row bucket, max_seqs); padded sequences have `q_len = 0` and `seq_len = 0` (the
 attention kernel's programs for them exit at once), padded rows write no KV (slot -1). The graph
-computes logits for every row of the bucket, since every decode row needs them.
+computes logits for every row of the bucket, since every decode row needs them; a graph set made
+with `logits=False` returns the final-normed hidden states instead (a draft model's wide forwards:
+prefill chunks and catch-ups, of which at most the last row per sequence needs logits).
 """
 
 from __future__ import annotations
@@ -71,8 +73,10 @@ class DecodeGraphs:
         max_seqs: int,
         max_blocks_per_seq: int,
         max_rows: int,
+        logits: bool = True,
     ):
         dev = model.device
+        self.logits = logits
         self.model = model
         self.k_caches, self.v_caches = k_caches, v_caches
         self.max_seqs = max_seqs
@@ -84,7 +88,7 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.max_blocks_per_seq = max_blocks_per_seq
-        # (row bucket, block-table width, rows per sequence bound) -> (graph, static logits)
+        # (row bucket, block-table width, rows per sequence bound) -> (graph, static output)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.memory_bytes = 0  # device memory taken by captures (graph pool growth)
@@ -113,8 +117,8 @@ class DecodeGraphs:
             self._meta(rows, width, max_q_len),
             self.k_caches,
             self.v_caches,
-        )
-        return self.model.logits(hidden)  # [rows, vocab]
+        )  # [rows, hidden]
+        return self.model.logits(hidden) if self.logits else hidden  # [rows, vocab]
 
     def capture(self, bucket: int, width: int, max_q_len: int = 1) -> None:
         key = (bucket, width, max_q_len)
@@ -138,7 +142,7 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[key] = (graph, logits)
         self.memory_bytes += torch.cuda.memory_reserved(self.model.device) - before
-        log.debug("captured decode graph for %d rows, %d blocks", bucket, width)
+        log.debug("captured graph for %d rows, %d blocks, %d rows/seq", bucket, width, max_q_len)
 
     def run(
         self,
@@ -151,7 +155,8 @@ class DecodeGraphs:
         block_tables: torch.Tensor,  # [num_seqs, nb] int32
         max_q_len: int = 1,  # most rows of one sequence this round
     ) -> torch.Tensor:
-        """Returns logits [num_rows, vocab] (a view of the graph's static output)."""
+        """Returns logits [num_rows, vocab] (hidden states [num_rows, hidden] without logits), a
+        view of the graph's static output: read it before the graph's next replay."""
         num_rows, num_seqs = input_ids.shape[0], seq_lens.shape[0]
         nb = block_tables.shape[1]
         width = self.width_for(nb)

@@ -631,9 +631,10 @@ def _interp(points: list[list[float]], x: float) -> float:
 
 
 # Catch-ups timed for the profile: whole prompts of CATCHUP_PROMPT_ROWS rows, one prompt up to
-# that many rows and up to 16 of them at once past it (a batch entering speculation together).
+# that many rows and up to 16 of them at once past it (a batch entering speculation together);
+# 64 rows: a lag of a few dozen AR rounds, which a graphed drafter takes in one wide replay.
 CATCHUP_PROMPT_ROWS = 1024
-CATCHUP_ROWS = (256, 1024, 4096, 16384)
+CATCHUP_ROWS = (64, 256, 1024, 4096, 16384)
 
 
 def catchup_profile_rows(max_model_len: int) -> tuple[int, ...]:
@@ -852,7 +853,9 @@ def build_profile(
             **(
                 {
                     "catchup_rows_per_pass": passes,
-                    "max_catchup_passes": MAX_CATCHUP_PASSES,
+                    "max_catchup_passes": getattr(
+                        inner, "max_catchup_passes", MAX_CATCHUP_PASSES
+                    ),
                 }
                 if passes
                 else {}

@@ -188,7 +188,7 @@ class RoundExecutor:
             device=target.device,
         )
         self.drafter = drafter
-        self._follow_prefill = drafter_follows_prefill
+        self.drafter_follows_prefill = drafter_follows_prefill  # asked for (see follow_prefill)
         self.vocab_size = target.config.vocab_size
         # Per-slot host state, one row per slot.
         self.slot_req = np.full(max_slots, -1, dtype=np.int64)  # req_id, -1: free
@@ -539,7 +539,7 @@ class RoundExecutor:
     def follow_prefill(self) -> bool:
         """Whether the drafter computes each prefill chunk's draft KV in the chunk's round:
         asked for, and the drafter (which a benchmark may swap) can."""
-        return self._follow_prefill and bool(getattr(self.drafter, "follows_prefill", False))
+        return self.drafter_follows_prefill and bool(getattr(self.drafter, "follows_prefill", False))
 
     def can_advance(self, p: PendingRound) -> bool:
         """Whether the next round may be launched before `p` finishes: `p` is AR rows only
@@ -692,6 +692,7 @@ class RoundExecutor:
             build_ms=(p.t_fwd0 - p.t_build0 + p.t_draft0 - p.t0) * ms,
             draft_ms=(p.t_build0 - p.t_draft0) * ms,
             catchup_ms=p.drafts.catchup_ms if p.drafts is not None else 0.0,
+            draft_wait_ms=p.drafts.extra.get("wait_ms", 0.0) if p.drafts is not None else 0.0,
             # device time of the forward where events exist (host time otherwise)
             forward_ms=(
                 p.fwd_events[0].elapsed_time(p.fwd_events[1])

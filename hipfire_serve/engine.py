@@ -627,6 +627,8 @@ class Engine:
                 phase_s={
                     "build": t.build_ms / 1e3,
                     "draft": t.draft_ms / 1e3,
+                    "draft_wait": t.draft_wait_ms / 1e3,  # of it, waiting for the device
+                    "catchup": t.catchup_ms / 1e3,  # of it, the drafter's catch-up (device)
                     "forward": t.forward_ms / 1e3,
                     "accept": t.accept_ms / 1e3,
                     "commit": t.commit_ms / 1e3,

@@ -231,6 +231,7 @@ def install(engine, cfg: BenchConfig, concurrency: int, policy: str, profile_pat
             max_model_len=engine.max_model_len,
             has_drafter=True,
             drafter_follows_prefill=cfg.drafter_follows_prefill
+            and policy != AR
             and bool(getattr(drafter, "follows_prefill", False)),
         ),
         num_kv_blocks=engine.num_kv_blocks,
@@ -239,6 +240,8 @@ def install(engine, cfg: BenchConfig, concurrency: int, policy: str, profile_pat
     )
     engine._num_switches = 0
     engine.drafter = engine.executor.drafter = drafter
+    # the all-AR baseline is a server without speculation: its drafter follows no prefill
+    engine.executor.drafter_follows_prefill = cfg.drafter_follows_prefill and policy != AR
 
 
 def warm_graphs(engine, cfg: BenchConfig) -> int:
@@ -271,7 +274,12 @@ def warm_graphs(engine, cfg: BenchConfig) -> int:
     if hasattr(model_drafter, "capture_graphs"):
         drafts_before = model_drafter.num_graphs
         blocks = tuple(range(lo, hi + 1))
-        captured += model_drafter.capture_graphs(max_c, widths=blocks) - drafts_before
+        captured += (
+            model_drafter.capture_graphs(
+                max_c, widths=blocks, max_wide_rows=cfg.max_prefill_tokens
+            )
+            - drafts_before
+        )
     return captured
 
 

@@ -294,6 +294,7 @@ class PhaseTimes(msgspec.Struct, frozen=True, kw_only=True):
     build_ms: float = 0.0  # host batch build and uploads
     draft_ms: float = 0.0  # drafter proposals, catch-up included
     catchup_ms: float = 0.0  # part of draft_ms spent catching the drafter up after AR rounds
+    draft_wait_ms: float = 0.0  # part of draft_ms the host waited for the drafts' device work
     forward_ms: float = 0.0  # the one target forward
     accept_ms: float = 0.0  # on-device acceptance and the copy of counts/tokens to host
     commit_ms: float = 0.0  # sequence-length advance and drafter bookkeeping

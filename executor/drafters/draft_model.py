@@ -33,6 +33,13 @@ graphs a step is bound by the device, not the host: on an H200 at 1024 tokens of
 layer). Capturing the whole chain as one graph measured no faster (per proposal, 1 to 64
 requests: from 0.8% slower to 5.7% faster; a GPU test at 8 requests: 11% slower), so steps
 replay one by one.
+
+Wide forwards (a prefill chunk the drafter follows, a catch-up longer than the step-0 passes take)
+replay graphs too: a second graph set without logits (`DecodeGraphs(logits=False)`), keyed by the
+row buckets of `WIDE_BUCKETS` and the block-table width, whose attention is planned for sequences
+of `WIDE_ROWS_HINT` rows (its tiles cover any ragged mix). Eagerly such a forward cost the host
+14 to 21 ms of launches for 1.8 ms of device work at 256 rows (H200, 0.6B-shaped model); replayed,
+it costs its device time. The picked rows' logits are computed after the replay, eagerly.
 """
 
 from __future__ import annotations
@@ -54,6 +61,13 @@ GRAPH_MAX_ROWS_PER_SEQ = 4
 # A longer catch-up runs through the step-0 graphs in passes of GRAPH_MAX_ROWS_PER_SEQ rows per
 # request; beyond this many passes one eager forward is cheaper than replaying them all.
 MAX_CATCHUP_PASSES = 8
+# With wide graphs, a catch-up needing more step-0 passes than this is one wide replay instead
+# (a pass replays the whole draft model with logits for every row).
+WIDE_MAX_PASSES = 1
+# Row buckets of the wide (hidden-state) graphs; a wide forward of more rows runs eagerly.
+WIDE_BUCKETS = (32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# Rows per sequence the wide graphs' attention tiles are planned for (any mix runs correctly).
+WIDE_ROWS_HINT = 64
 
 
 class DraftModelDrafter:
@@ -78,10 +92,13 @@ class DraftModelDrafter:
         self.max_slots = max_slots
         self.use_graphs = graphs != "off" and model.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None  # made when the block table is bound
+        self.wide_graphs: DecodeGraphs | None = None  # hidden states of wide forwards
         # Step 0 rows per request per forward (None: all in one); passes only pay with graphs.
         self.catchup_rows_per_pass = catchup_rows_per_pass or (
             GRAPH_MAX_ROWS_PER_SEQ if self.use_graphs else None
         )
+        # Step-0 passes at most; a longer catch-up is one wide forward (graphed: one pass)
+        self.max_catchup_passes = WIDE_MAX_PASSES if self.use_graphs else MAX_CATCHUP_PASSES
         self.device = model.device
         self.block_size = block_size
         # drafting writes positions below this (the draft model's rope table may be shorter)
@@ -113,22 +130,38 @@ class DraftModelDrafter:
                 max_blocks_per_seq=block_tables.shape[1],
                 max_rows=bucket_for(GRAPH_MAX_ROWS_PER_SEQ * self.max_slots) or DEFAULT_BUCKETS[-1],
             )
+            self.wide_graphs = DecodeGraphs(
+                self.model,
+                self.kv.k,
+                self.kv.v,
+                max_seqs=self.max_slots,
+                max_blocks_per_seq=block_tables.shape[1],
+                max_rows=WIDE_BUCKETS[-1],
+                logits=False,
+            )
 
     def capture_graphs(
         self,
         max_seqs: int | None = None,
         widths: tuple[int, ...] = (),
         q_lens=(1, 2, 4),
+        max_wide_rows: int = 0,
     ) -> int:
         """Captures the drafting graphs ahead of serving: every row bucket that `max_seqs`
         requests with `q` rows each can need (q = 1: chain steps; q = 2: step 0 after a fully
         accepted chain; q = 4: step 0 passes of a catch-up), at the given block-table widths in
-        blocks (default: the narrowest).
+        blocks (default: the narrowest), and the wide graphs of up to `max_wide_rows` rows.
         Returns how many graphs exist. Without graphs (CPU, or off) nothing happens."""
         if self.graphs is None:
             return 0
         top = min(max_seqs or self.max_slots, self.max_slots)
         widths = tuple(sorted({self.graphs.width_for(w) for w in widths or (1,)}))
+        if self.wide_graphs is not None and max_wide_rows > 0:
+            for bucket in WIDE_BUCKETS:
+                for width in widths:
+                    self.wide_graphs.capture(bucket, width, WIDE_ROWS_HINT)
+                if bucket >= max_wide_rows:
+                    break
         for q in q_lens:
             for bucket in DEFAULT_BUCKETS:
                 if q > bucket or bucket > self.graphs.max_rows:
@@ -141,8 +174,8 @@ class DraftModelDrafter:
 
     @property
     def num_graphs(self) -> int:
-        """Captured decode graphs (0 without graphs)."""
-        return len(self.graphs.graphs) if self.graphs is not None else 0
+        """Captured graphs, wide ones included (0 without graphs)."""
+        return sum(len(g.graphs) for g in (self.graphs, self.wide_graphs) if g is not None)
 
     # -- slot lifecycle -----------------------------------------------------------------------
     def setup(self, slot: int, context: list[int]) -> None:
@@ -193,14 +226,12 @@ class DraftModelDrafter:
             return 0
         k_slots = [int(slots[k]) for k in keep]
         k_starts = [int(starts[k]) for k in keep]
-        k_rows = [len(chunks[k]) for k in keep]
-        ids = np.concatenate([np.asarray(chunks[k], dtype=np.int64) for k in keep])  # [rows]
-        meta = self._meta(k_slots, k_starts, k_rows)
-        ids_t = torch.from_numpy(ids).to(self.device, non_blocking=True)
-        self.model.forward(ids_t, meta, self.kv.k, self.kv.v)  # writes the draft K/V
-        for slot, start, rows in zip(k_slots, k_starts, k_rows):
-            self.kv_len[slot] = start + rows
-        return int(sum(k_rows))
+        self._wide_rows(k_slots, k_starts, [chunks[k] for k in keep], last_hidden=False)
+        rows = 0
+        for slot, start, k in zip(k_slots, k_starts, keep):
+            self.kv_len[slot] = start + len(chunks[k])
+            rows += len(chunks[k])
+        return rows
 
     # -- drafting -----------------------------------------------------------------------------
     def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch:
@@ -273,7 +304,9 @@ class DraftModelDrafter:
         self._chain_steps(max_draft, steps, entries, up_tables, draft_tokens, probs)
 
         clock.mark()
+        t_wait = time.perf_counter()
         tokens_host = draft_tokens.tolist()  # the one device->host copy of the drafts
+        wait_ms = (time.perf_counter() - t_wait) * 1e3
         # Catch-up time: what step 0 cost beyond a plain chain step (the mean of steps 1..).
         # A single draft has no plain step to compare with: then the catch-up rows' share of
         # step 0 stands in.
@@ -290,7 +323,9 @@ class DraftModelDrafter:
             tokens=tokens,
             probs=probs,
             catchup_ms=catchup_ms,
-            extra={"num_catchup_rows": num_catchup_rows},
+            # wait_ms: host time waiting for the device at the drafts' copy (host-bound
+            # drafting waits little, device-bound drafting much)
+            extra={"num_catchup_rows": num_catchup_rows, "wait_ms": wait_ms},
         )
 
     def _step0(self, requests, active, ctx_lens, slots, entries0, draft_tokens, probs) -> int:
@@ -305,10 +340,23 @@ class DraftModelDrafter:
             num_rows.append(ctx_len - start)
         per_pass = self.catchup_rows_per_pass or max(num_rows)
         num_passes = -(-max(num_rows) // per_pass)
-        if num_passes > MAX_CATCHUP_PASSES:
-            per_pass, num_passes = max(num_rows), 1
         req, _, _, prow, temp = entries0
         dev = self.device
+        if num_passes > self.max_catchup_passes:
+            if self.wide_graphs is not None:  # one wide pass, graphed
+                hidden = self._wide_rows(
+                    slots.tolist(),
+                    first_pos,
+                    [
+                        requests[i].context[a : a + n]
+                        for i, a, n in zip(active.tolist(), first_pos, num_rows)
+                    ],
+                    last_hidden=True,
+                )  # [n0, hidden]
+                logits = self.model.logits(hidden)
+                self._pick(logits, req, prow, temp, 0, draft_tokens, probs)
+                return sum(num_rows) - len(num_rows)
+            per_pass, num_passes = max(num_rows), 1
         rows_np = np.asarray(num_rows, dtype=np.int64)  # [n0]
         for p in range(num_passes):
             lo = p * per_pass
@@ -389,12 +437,64 @@ class DraftModelDrafter:
             )  # [num_rows, vocab], a view of the graph's output: read before the next replay
         else:
             logits = None
-            hidden = self.model.forward(ids, meta, self.kv.k, self.kv.v)
+            hidden = self._wide_forward(ids, meta)
         if pick_rows is not None and len(pick_rows) == 0:
             return None
         if logits is None:
             return self.model.logits(hidden if pick_rows is None else hidden[pick_rows])
         return logits if pick_rows is None else logits[pick_rows]
+
+    def _wide_rows(
+        self,
+        slots: list[int],
+        first_pos: list[int],
+        tokens: list[Sequence[int]],  # per sequence its rows' tokens from first_pos on
+        last_hidden: bool,
+    ) -> torch.Tensor | None:
+        """Forwards every sequence's rows, K/V written into the draft cache, in passes of whole
+        sequences of at most WIDE_BUCKETS[-1] rows each (one pass per longer sequence), so that
+        the wide graphs take them. Returns the hidden states of each sequence's last row
+        [num_seqs, hidden] (last_hidden), else None."""
+        cap = WIDE_BUCKETS[-1]
+        groups: list[list[int]] = [[]]
+        rows = 0
+        for k, toks in enumerate(tokens):
+            if groups[-1] and rows + len(toks) > cap:
+                groups.append([])
+                rows = 0
+            groups[-1].append(k)
+            rows += len(toks)
+        last = []
+        for group in groups:
+            lens = [len(tokens[k]) for k in group]
+            ids = np.concatenate([np.asarray(tokens[k], dtype=np.int64) for k in group])
+            meta = self._meta([slots[k] for k in group], [first_pos[k] for k in group], lens)
+            ids_t = torch.from_numpy(ids).to(self.device, non_blocking=True)  # [rows]
+            hidden = self._wide_forward(ids_t, meta)  # [rows, hidden]
+            if last_hidden:  # (a gather: a copy taken before the graph's next replay)
+                ends = torch.from_numpy(np.cumsum(lens) - 1).to(self.device, non_blocking=True)
+                last.append(hidden[ends])
+        if not last_hidden:
+            return None
+        return last[0] if len(last) == 1 else torch.cat(last)
+
+    def _wide_forward(self, ids: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        """Final-normed hidden states [num_rows, hidden] of the rows `meta` describes, K/V
+        written into the draft cache: a wide graph's replay when one fits (its output is a view
+        to read before the next replay), else one eager forward."""
+        bucket = bucket_for(len(ids), WIDE_BUCKETS)
+        if self.wide_graphs is None or bucket == 0:
+            return self.model.forward(ids, meta, self.kv.k, self.kv.v)
+        return self.wide_graphs.run(
+            bucket,
+            ids,
+            meta.positions,
+            meta.slot_mapping,
+            meta.cu_q_lens,
+            meta.seq_lens,
+            meta.block_tables,
+            max_q_len=WIDE_ROWS_HINT,
+        )
 
     def _meta(self, slots: list[int], first_pos: list[int], num_rows: list[int]) -> AttnMetadata:
         """Attention metadata of `num_rows[s]` rows per sequence from position `first_pos[s]`."""

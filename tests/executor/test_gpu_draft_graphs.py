@@ -98,14 +98,16 @@ def test_capture_graphs_ahead_and_profile_step_times():
     assert graphed[0][1] < eager[0][1]
 
 
-def test_graphed_catch_up_passes_equal_eager_drafting():
+@pytest.mark.parametrize("max_passes", [1, 8])
+def test_graphed_catch_up_equals_eager_drafting(max_passes):
     """Requests with different draft counts and lags of up to nine AR rounds (step 0 in graphed
-    passes of four rows): graphed drafting proposes what eager drafting does and leaves the
-    same draft KV."""
-    dev = torch.device("cuda")
+    passes of four rows, or past one pass a wide graph's replay): graphed drafting proposes
+    what eager drafting does and leaves the same draft KV."""
     eager, graphed, rng, contexts = _eager_and_graphed(1, 5, (3, 30))
     vocab = graphed.model.config.vocab_size
     assert eager.catchup_rows_per_pass is None and graphed.catchup_rows_per_pass == 4
+    assert eager.wide_graphs is None and graphed.max_catchup_passes == 1
+    graphed.max_catchup_passes = max_passes
     for round_idx in range(8):
         for s in contexts:  # AR rounds before this one: 0 .. 9 tokens the drafter missed
             for _ in range(int(rng.integers(0, 10)) if round_idx % 3 == 1 else 0):
@@ -122,8 +124,14 @@ def test_graphed_catch_up_passes_equal_eager_drafting():
             contexts[s] += [*out_eager.tokens[i][:num_accepted], int(rng.integers(0, vocab))]
             for d in (eager, graphed):
                 d.commit(s, contexts[s], num_accepted, depths[s])
+    if max_passes == 1:
+        assert len(graphed.wide_graphs.graphs) > 0
+    _assert_same_draft_kv(eager, graphed)
+
+
+def _assert_same_draft_kv(eager, graphed) -> None:
     assert np.array_equal(eager.kv_len, graphed.kv_len)
-    blocks = torch.arange(MAX_SLOTS * BLOCKS_PER_SLOT, device=dev)
+    blocks = torch.arange(MAX_SLOTS * BLOCKS_PER_SLOT, device=eager.device)
     for k_e, k_g in zip(eager.kv.k, graphed.kv.k):
         e = k_e[blocks].reshape(MAX_SLOTS, -1, *k_e.shape[2:])
         g = k_g[blocks].reshape(MAX_SLOTS, -1, *k_g.shape[2:])
@@ -132,9 +140,37 @@ def test_graphed_catch_up_passes_equal_eager_drafting():
             torch.testing.assert_close(g[s, :n], e[s, :n], rtol=1e-4, atol=1e-4)
 
 
-def test_graphed_catch_up_passes_beat_one_eager_forward():
-    """A 0.6B-shaped draft model catching up nine tokens for 8 requests: graph replays in passes
-    of four rows cost less than one eager forward of all rows (launch-bound)."""
+def test_graphed_prefill_following_equals_eager():
+    """Prefill chunks followed through the wide graphs, then proposals: the same drafts and
+    draft KV as an eager drafter following the same chunks."""
+    eager, graphed, rng, contexts = _eager_and_graphed(2, 6, (20, 120))
+    vocab = graphed.model.config.vocab_size
+    done = dict.fromkeys(contexts, 0)
+    for chunk in (48, 7, 100):  # rounds of chunks, several requests each
+        live = [s for s in contexts if done[s] < len(contexts[s])]
+        args = (
+            live,
+            [done[s] for s in live],
+            [contexts[s][done[s] : done[s] + chunk] for s in live],
+        )
+        assert eager.follow_prefill(*args) == graphed.follow_prefill(*args) > 0
+        for s in live:
+            done[s] = min(done[s] + chunk, len(contexts[s]))
+    assert len(graphed.wide_graphs.graphs) > 0
+    for s in contexts:
+        contexts[s] = [*contexts[s][: done[s]], int(rng.integers(0, vocab))]
+    reqs = [DraftRequest(s, list(contexts[s]), 4) for s in sorted(contexts)]
+    out_eager = eager.propose(reqs, [True] * len(reqs))
+    out_graphed = graphed.propose(reqs, [True] * len(reqs))
+    assert out_graphed.tokens == out_eager.tokens
+    assert out_graphed.extra["num_catchup_rows"] == out_eager.extra["num_catchup_rows"]
+    _assert_same_draft_kv(eager, graphed)
+
+
+def test_graphed_catch_ups_beat_one_eager_forward():
+    """A 0.6B-shaped draft model catching up nine tokens for 8 requests, and one whole prompt:
+    graph replays (passes of four rows, or one wide replay) cost less than one eager forward of
+    all rows (launch-bound)."""
     from executor.profiler import standalone_drafter
 
     dev = torch.device("cuda")
@@ -145,17 +181,28 @@ def test_graphed_catch_up_passes_beat_one_eager_forward():
     reqs = [DraftRequest(s, contexts[s], 7) for s in range(8)]
     for s in range(8):
         drafter.setup(s, contexts[s])
+    wide = drafter.wide_graphs
     times = {}
-    for name, per_pass in (("passes", 4), ("eager", 10**6)):
-        drafter.catchup_rows_per_pass = per_pass
+    for name, behind, num_reqs in (
+        ("passes", 9, 8),
+        ("wide", 9, 8),
+        ("eager", 9, 8),
+        ("prompt wide", 999, 1),
+        ("prompt eager", 999, 1),
+    ):
+        drafter.max_catchup_passes = 8 if name == "passes" else 1
+        drafter.wide_graphs = None if "eager" in name else wide
         runs = []
         for _ in range(5):
-            drafter.kv_len[:8] = 1000 - 9  # nine tokens behind
+            drafter.kv_len[:num_reqs] = 1000 - behind
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = drafter.propose(reqs, [True] * 8)
+            out = drafter.propose(reqs[:num_reqs], [True] * num_reqs)
             torch.cuda.synchronize()
             runs.append(time.perf_counter() - t0)
-            assert out.extra["num_catchup_rows"] == 8 * 8
+            assert out.extra["num_catchup_rows"] == num_reqs * (behind - 1)
         times[name] = sorted(runs[2:])[1]
+    print({k: round(v * 1e3, 2) for k, v in times.items()})
     assert times["passes"] < times["eager"], times
+    assert times["wide"] < times["eager"], times
+    assert times["prompt wide"] < times["prompt eager"], times
