@@ -539,7 +539,9 @@ class RoundExecutor:
     def follow_prefill(self) -> bool:
         """Whether the drafter computes each prefill chunk's draft KV in the chunk's round:
         asked for, and the drafter (which a benchmark may swap) can."""
-        return self.drafter_follows_prefill and bool(getattr(self.drafter, "follows_prefill", False))
+        return self.drafter_follows_prefill and bool(
+            getattr(self.drafter, "follows_prefill", False)
+        )
 
     def can_advance(self, p: PendingRound) -> bool:
         """Whether the next round may be launched before `p` finishes: `p` is AR rows only

@@ -25,7 +25,10 @@ def test_factor_follows_the_realised_share_by_its_evidence_and_fades_without_spe
     for _ in range(200):  # a large batch accepting half of what its estimates said
         tracker.observe(expected=20.0, accepted=10.0)
     assert 0.5 < tracker.factor < 0.55
-    for _ in range(400):  # decode rounds without drafts
+    for _ in range(40):  # an AR stretch between two entries keeps the evidence
+        tracker.relax()
+    assert tracker.factor < 0.56
+    for _ in range(4000):  # a long time without drafts: it fades
         tracker.relax()
     assert tracker.factor > 0.99
     tracker.observe(expected=0.0, accepted=3.0)  # nothing expected: no evidence
