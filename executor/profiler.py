@@ -853,9 +853,7 @@ def build_profile(
             **(
                 {
                     "catchup_rows_per_pass": passes,
-                    "max_catchup_passes": getattr(
-                        inner, "max_catchup_passes", MAX_CATCHUP_PASSES
-                    ),
+                    "max_catchup_passes": getattr(inner, "max_catchup_passes", MAX_CATCHUP_PASSES),
                 }
                 if passes
                 else {}

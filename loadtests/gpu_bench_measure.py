@@ -184,9 +184,7 @@ def simulate(cfg: BenchConfig, paths: dict, vocab: int) -> dict[tuple, dict]:
     figures their mean."""
     from scheduler.sim.acceptance_model import trace_key
 
-    keys_at = {
-        c: tuple(trace_key(p) for p in make_prompts(cfg, c, vocab)) for c in cfg.concurrency
-    }
+    keys_at = {c: tuple(trace_key(p) for p in make_prompts(cfg, c, vocab)) for c in cfg.concurrency}
     keys = [(AR, ANY, ANY, c) for c in cfg.concurrency if AR in cfg.sim_policies]
     keys += [
         (p, d, co, c)

@@ -140,9 +140,7 @@ def make_prompts(cfg: BenchConfig, concurrency: int, vocab: int) -> list[list[in
     policy at this C gets the same prompts (the synthetic traces are keyed by the prompt)."""
     from scheduler.sim.runner import make_requests
 
-    lens = [
-        len(s.prompt_token_ids) for _, s in make_requests(cfg.workload(concurrency), cfg.seed)
-    ]
+    lens = [len(s.prompt_token_ids) for _, s in make_requests(cfg.workload(concurrency), cfg.seed)]
     rng = np.random.default_rng([cfg.seed, concurrency])
     return [rng.integers(1, vocab, n).tolist() for n in lens]
 
@@ -275,9 +273,7 @@ def warm_graphs(engine, cfg: BenchConfig) -> int:
         drafts_before = model_drafter.num_graphs
         blocks = tuple(range(lo, hi + 1))
         captured += (
-            model_drafter.capture_graphs(
-                max_c, widths=blocks, max_wide_rows=cfg.max_prefill_tokens
-            )
+            model_drafter.capture_graphs(max_c, widths=blocks, max_wide_rows=cfg.max_prefill_tokens)
             - drafts_before
         )
     return captured

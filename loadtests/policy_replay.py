@@ -28,9 +28,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def priced_finish(
-    engine, profile, noise: float, rng: random.Random, spec_bias: float = 1.0
-):
+def priced_finish(engine, profile, noise: float, rng: random.Random, spec_bias: float = 1.0):
     """Wraps `engine.executor.finish` so that each round reports the profile's price of its
     plan (the executor's part: without the engine's host time around a speculating round)
     times exp(N(0, noise)) as its measured time; a speculating round's price times

@@ -109,6 +109,7 @@ PLANNER_CELLS = st.lists(
     max_size=6,
 )
 
+
 @given(
     base_rows=st.integers(1, 3000),
     prefill=st.sampled_from([0, 0, 300]),

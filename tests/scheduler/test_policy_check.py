@@ -155,7 +155,6 @@ def decode_view(
     )
 
 
-
 def test_catchup_is_spread_over_the_requests_own_spec_rounds():
     step = MODEL.profile.draft_step_ms
     survival = np.cumprod(np.full((4, 7), 0.8), axis=1)
