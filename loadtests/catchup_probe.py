@@ -1,7 +1,8 @@
-"""Probe of the draft model's eager catch-up (a whole prompt's rows in one forward, what a
-request's first speculating round pays): wall time of `propose` by row count for one prompt and
-for several prompts at once, with programmatic dependent launch on and off, then one call under
-the torch profiler, whose totals split it into host time and device time.
+"""Probe of the draft model's catch-up (a whole prompt's rows in one wide forward, what a
+request's first speculating round pays when the drafter did not follow its prefill): wall time
+of `propose` by row count for one prompt and for several prompts at once, with programmatic
+dependent launch on and off, then one call under the torch profiler, whose totals split it into
+host time and device time.
 
     python -m loadtests.catchup_probe [--model qwen3-0.6b] [--rows 256,1024,4096,16384]
 

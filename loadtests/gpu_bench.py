@@ -90,7 +90,7 @@ class BenchConfig(RefillBench):
     acceptance: str = str(PROFILES / "acceptance.json")
     keep_rounds: bool = False  # every step's record in the JSON (tests check the arithmetic)
     # the draft model computes prefill chunks' KV in their rounds (EngineConfig's option)
-    drafter_follows_prefill: bool = False
+    drafter_follows_prefill: bool = True
     workers: int = 0  # simulator processes; 0: one per CPU (at most 16)
 
     def points(self) -> list[tuple[str, str]]:
@@ -195,8 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep-rounds", action="store_true", help="every step's record in the JSON")
     ap.add_argument(
         "--drafter-follows-prefill",
-        action="store_true",
-        help="the draft model computes prefill chunks' KV in their rounds",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the draft model computes prefill chunks' KV in their rounds (default on; the "
+        "all-AR baseline never does)",
     )
     for flag, (name, _) in FLAGS.items():
         default = getattr(BenchConfig, name)
@@ -214,8 +216,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             changes[name] = parse(value)
     if args.keep_rounds:
         changes["keep_rounds"] = True
-    if args.drafter_follows_prefill:
-        changes["drafter_follows_prefill"] = True
+    if args.drafter_follows_prefill is not None:
+        changes["drafter_follows_prefill"] = args.drafter_follows_prefill
     cfg = dataclasses.replace(cfg, **changes)
     unknown = [p for p in cfg.policies if p not in REAL_POLICIES]
     unknown += [p for p in cfg.sim_policies if p not in SIM_POLICIES]

@@ -533,7 +533,8 @@ class ProfileCost:
             host = host + self.spec_excess_ms(num_spec, drafts)
         t = t + np.where(draft_depth > 0, first + rest + host, 0.0)
         if drafter_prefill and np.any(num_prefill_rows):
-            t = t + self._draft(num_prefill_rows)
+            # (one wide forward of the draft model over the chunks: the catch-up curve)
+            t = t + np.where(num_prefill_rows > 0, self._eager(num_prefill_rows), 0.0)
         return t * np.where(draft_depth > 0, self.spec_ratio(num_spec), 1.0)
 
     def round_ms_scalar(
@@ -570,7 +571,7 @@ class ProfileCost:
                 drafts = num_spec * draft_depth if num_draft_rows is None else num_draft_rows
                 t += self.spec_excess_ms_scalar(num_spec, drafts)
         if drafter_prefill and num_prefill_rows:
-            t += self._draft.scalar(num_prefill_rows)
+            t += self._eager.scalar(num_prefill_rows)
         if draft_depth > 0:
             t *= self._spec_ratio_list[min(max(num_spec, 0), TABLE_ROWS - 1)]
         return t

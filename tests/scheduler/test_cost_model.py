@@ -740,3 +740,24 @@ def test_the_executors_part_is_the_round_less_the_engines_host_time(rows, depth,
         host = prof.round_spec_host_ms(rows, prefill, num_spec, depth) if depth else 0.0
         part = prof.executor_ms_scalar(rows, 4000, depth, num_spec, 0, prefill)
         assert part == pytest.approx(whole - host, rel=1e-12, abs=1e-12)
+
+
+def test_a_following_drafter_prices_prefill_chunks_as_one_wide_forward():
+    """With the draft model following prefill chunks, a round with chunk rows pays the draft
+    model's wide forward over them: the catch-up curve, not the chain step's (a step of that
+    many requests at the reference context)."""
+    raw = json.loads(
+        (Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json").read_text()
+    )
+    raw["draft_model"]["catchup_rows_ms"] = [[64, 2.0], [256, 2.5], [1024, 3.9]]
+    prof = ProfileCost(raw)
+    for rows in (64, 100, 1024):
+        extra = prof.round_ms_scalar(
+            rows, 0, num_prefill_rows=rows, drafter_prefill=True
+        ) - prof.round_ms_scalar(rows, 0, num_prefill_rows=rows)
+        assert extra == pytest.approx(float(np.interp(rows, [64, 256, 1024], [2.0, 2.5, 3.9])))
+        one = np.array([rows])
+        grid = prof.round_ms(one, 0, num_prefill_rows=one, drafter_prefill=True)
+        assert float(grid[0] - prof.round_ms(one, 0, num_prefill_rows=one)[0]) == pytest.approx(
+            extra
+        )
