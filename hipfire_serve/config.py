@@ -39,7 +39,7 @@ class EngineConfig:
         "lazy", "CUDA/HIP graphs for decode rounds", choices=("lazy", "startup", "off")
     )
     drafter_follows_prefill: bool = _f(
-        True,
+        False,
         "a draft model computes each prefill chunk's KV in the chunk's round, so a request's "
         "first speculating round needs no catch-up on its prompt",
     )

@@ -90,7 +90,7 @@ class BenchConfig(RefillBench):
     acceptance: str = str(PROFILES / "acceptance.json")
     keep_rounds: bool = False  # every step's record in the JSON (tests check the arithmetic)
     # the draft model computes prefill chunks' KV in their rounds (EngineConfig's option)
-    drafter_follows_prefill: bool = True
+    drafter_follows_prefill: bool = False
     workers: int = 0  # simulator processes; 0: one per CPU (at most 16)
 
     def points(self) -> list[tuple[str, str]]:
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drafter-follows-prefill",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="the draft model computes prefill chunks' KV in their rounds (default on; the "
+        help="the draft model computes prefill chunks' KV in their rounds (default off; the "
         "all-AR baseline never does)",
     )
     for flag, (name, _) in FLAGS.items():
