@@ -74,6 +74,7 @@ class RoundStats(msgspec.Struct, kw_only=True):
     # tokens the plan expected (one per decoding request, the drafts the estimators expect
     # accepted, prefills that complete)
     predicted_tokens: float = 0.0
+    num_emitted: int = 0  # output tokens the round emitted (after stops)
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -644,6 +645,7 @@ class Engine:
                 reason=plan.reason,
                 overlapped=result.overlapped,
                 predicted_tokens=plan.predicted_tokens,
+                num_emitted=int(out.token_starts[-1]),
             )
         )
         if len(self._rounds) > 4096:  # nobody drained the stats: keep memory bounded

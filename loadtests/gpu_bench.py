@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "skipped": skipped,
         "notes": notes,
+        "step_tokens": "round",  # a step's num_tokens: its rounds' tokens (gpu_bench_rederive)
         "elapsed_s": time.perf_counter() - t_start,
     }
     print(report.comparison_table(comparisons))

@@ -26,7 +26,10 @@ class StepRecord:
 
     route: str  # one letter per request of the round: P, A or S
     num_rows: int
-    num_tokens: int  # output tokens the step returned
+    # output tokens of the rounds the step finished (not the outputs the step returned: a
+    # round's outputs reach the caller a step later when its successor was launched before
+    # it finished, and a step that only launches returns the previous round's)
+    num_tokens: int
     wall_s: float  # the whole step: plan, executor run, update, output collection
     predicted_s: float = 0.0  # the plan's predicted round time
     measured_s: float = 0.0  # the executor's run
@@ -43,11 +46,21 @@ def mix(counts: dict[str, int]) -> dict[str, float]:
 
 def summarize_steps(steps: Sequence[StepRecord], concurrency: int, run_s: float) -> dict:
     """A run's figures. Full-live steps: all `concurrency` requests in the round, none
-    prefilling. GPU idle bound: the share of full-live wall time outside the target forward
-    and the drafter (host work the device waits for)."""
+    prefilling; each with the tokens of its round and its wall time, plus the wall time of the
+    steps before it that finished no round (a step that launches an AR round ahead and returns
+    at once: that round's time is split between the two steps). GPU idle bound: the share of
+    full-live wall time outside the target forward and the drafter (host work the device waits
+    for)."""
     rounds = [s for s in steps if s.route]
-    full = [s for s in rounds if len(s.route) == concurrency and "P" not in s.route]
-    full_s = sum(s.wall_s for s in full)
+    full, full_s, carried = [], 0.0, 0.0
+    for s in steps:
+        if not s.route:
+            carried += s.wall_s
+            continue
+        if len(s.route) == concurrency and "P" not in s.route:
+            full.append(s)
+            full_s += s.wall_s + carried
+        carried = 0.0
     letters = {"S": 0, "A": 0, "P": 0}
     letters_full = {"S": 0, "A": 0}
     for s in rounds:
@@ -111,14 +124,13 @@ def drive_refill(engine, prompts: Sequence[list[int]], concurrency: int, params)
         t0 = time.perf_counter()
         outputs = engine.step()
         wall_s = time.perf_counter() - t0
-        num_tokens = sum(len(o.token_ids) for r in outputs for o in r.outputs)
-        rounds = engine.stats().rounds
+        rounds = engine.stats().rounds  # the rounds the step finished (one, or none)
         rs = rounds[-1] if rounds else None
         steps.append(
             StepRecord(
                 route=rs.route if rs else "",
                 num_rows=rs.num_rows if rs else 0,
-                num_tokens=num_tokens,
+                num_tokens=sum(r.num_emitted for r in rounds),
                 wall_s=wall_s,
                 predicted_s=rs.predicted_s if rs else 0.0,
                 measured_s=rs.measured_s if rs else 0.0,

@@ -66,6 +66,21 @@ def test_full_live_counts_only_rounds_with_every_slot_decoding():
     assert s["mean_accepted_len"] == pytest.approx(5.0)  # one spec request-round, 4 accepted
 
 
+def test_a_step_that_only_launches_counts_towards_the_round_it_launched():
+    """An AR round launched ahead: the step launching it finishes no round and returns at
+    once; the next step finishes it. Its tokens are the round's, its time both steps'."""
+    steps = [
+        step("SS", 9, 0.020, accepted=7),  # a speculating round
+        step("", 0, 0.002),  # launches the first AR round ahead, finishes nothing
+        step("AA", 2, 0.003),  # launches the next one, finishes the first
+        step("AA", 2, 0.005),
+    ]
+    s = summarize_steps(steps, concurrency=2, run_s=0.03)
+    assert s["full_live_rounds"] == 3 and s["full_live_tokens"] == 13
+    assert s["full_live_s"] == pytest.approx(0.030)
+    assert s["step_ms_full_live"] == pytest.approx(10.0)
+
+
 def test_a_run_without_full_live_rounds_has_no_full_live_figure():
     steps = [step("P", 1, 0.1), step("SP", 3, 0.1), step("S", 4, 0.1)]
     s = summarize_steps(steps, concurrency=2, run_s=0.5)
@@ -85,7 +100,11 @@ def test_a_run_without_full_live_rounds_has_no_full_live_figure():
 def test_full_live_figure_is_a_ratio_of_the_selected_steps(rounds, concurrency):
     steps = [step(r, t, w) for r, t, w in rounds]
     s = summarize_steps(steps, concurrency, run_s=sum(w for _, _, w in rounds) + 1.0)
-    full = [(t, w) for r, t, w in rounds if len(r) == concurrency and "P" not in r]
+    full, carried = [], 0.0  # a round-less step's wall goes to the next step with a round
+    for r, t, w in rounds:
+        if r and len(r) == concurrency and "P" not in r:
+            full.append((t, w + carried))
+        carried = carried + w if not r else 0.0
     assert s["full_live_rounds"] == len(full)
     if full:
         tokens, wall = sum(t for t, _ in full), sum(w for _, w in full)
@@ -283,6 +302,10 @@ def test_quick_runs_recompute_from_their_steps(quick_record):
         steps = [StepRecord(**s) for s in run["steps"]]
         assert run["num_tokens"] == run["num_requests"] * cfg["max_tokens"]  # ignore_eos
         assert run["num_requests"] == max(cfg["waves"] * run["concurrency"], cfg["min_requests"])
+        # a step's tokens are its rounds' (letters of a decode round + its accepted drafts)
+        for st_ in steps:
+            if st_.route and "P" not in st_.route:
+                assert st_.num_tokens == len(st_.route) + st_.num_accepted
         again = summarize_steps(steps, run["concurrency"], run["run_s"])
         keys = (
             "full_live_tok_s",
@@ -516,3 +539,55 @@ def test_the_draft_model_can_follow_prefills_in_the_runs(tmp_path):
     for run in record["runs"]:
         assert run["num_failed"] == 0
         assert run["num_tokens"] == run["num_requests"] * record["config"]["max_tokens"]
+
+
+def test_a_record_is_re_derived_from_its_steps(quick_record, tmp_path):
+    """gpu_bench_rederive recomputes every run's figures, the comparisons and the targets
+    from the steps: from a record written now it gets the record's own figures back."""
+    import copy
+
+    from loadtests.gpu_bench_rederive import main as rederive_main
+    from loadtests.gpu_bench_rederive import rederive
+
+    record, _ = quick_record
+    spoiled = copy.deepcopy(record)
+    for run in spoiled["runs"]:
+        run["full_live_tok_s"], run["full_live_rounds"] = -1.0, -1
+    again = rederive(spoiled)
+    for old, new in zip(record["runs"], again["runs"]):
+        for key in ("full_live_tok_s", "full_live_rounds", "refill_tok_s", "route_mix"):
+            assert new[key] == pytest.approx(old[key])
+    assert [c["vs_best"] for c in again["comparisons"]] == pytest.approx(
+        [c["vs_best"] for c in record["comparisons"]]
+    )
+    assert again["notes"] == record["notes"] and again["step_tokens"] == "round"
+    # a record without steps is refused with a one-line message
+    path = tmp_path / "bare.json"
+    bare = copy.deepcopy(record)
+    bare["runs"][0].pop("steps")
+    path.write_text(json.dumps(bare))
+    assert rederive_main([str(path), "--out", str(tmp_path / "out")]) == 2
+
+
+def test_an_older_record_gets_its_rounds_tokens_back(quick_record):
+    """Records written before `step_tokens` counted per step the outputs the step returned
+    (one step late behind rounds launched ahead, in round-less steps at a switch to AR):
+    re-derived, a decode round's tokens are its requests plus its accepted drafts, and the
+    full-live figures are those of a record written now."""
+    import copy
+
+    from loadtests.gpu_bench_rederive import rederive
+
+    record, _ = quick_record
+    older = copy.deepcopy(record)
+    older.pop("step_tokens")
+    for run in older["runs"]:
+        steps = run["steps"]
+        tokens = [s["num_tokens"] for s in steps]
+        for s, t in zip(steps, [0, *tokens[:-1]]):  # every step one round late
+            s["num_tokens"] = t
+    again = rederive(older)
+    for old, new in zip(record["runs"], again["runs"]):
+        assert new["full_live_tok_s"] == pytest.approx(old["full_live_tok_s"])
+        assert new["refill_tok_s"] == pytest.approx(old["refill_tok_s"])
+    assert "re-derived" in again["notes"][-1]
