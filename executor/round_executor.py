@@ -521,7 +521,7 @@ class RoundExecutor:
         p.num_padded = bucket or num_rows
         p.num_kv_tokens = int(seq_lens.sum())
         p.bucket = bucket
-        if self.follow_prefill and prefills:
+        if plan.follow_prefill and self.follow_prefill and prefills:
             # after the target's forward: on a GPU these launches overlap its device time
             starts = [q.num_computed for q in prefills]
             self.drafter.follow_prefill(
@@ -537,8 +537,9 @@ class RoundExecutor:
 
     @property
     def follow_prefill(self) -> bool:
-        """Whether the drafter computes each prefill chunk's draft KV in the chunk's round:
-        asked for, and the drafter (which a benchmark may swap) can."""
+        """Whether the drafter may compute prefill chunks' draft KV in their rounds: asked for,
+        and the drafter (which a benchmark may swap) can. A round's plan says whether it does
+        (`RoundPlan.follow_prefill`)."""
         return self.drafter_follows_prefill and bool(
             getattr(self.drafter, "follows_prefill", False)
         )

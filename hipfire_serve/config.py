@@ -38,10 +38,12 @@ class EngineConfig:
     graphs: str = _f(
         "lazy", "CUDA/HIP graphs for decode rounds", choices=("lazy", "startup", "off")
     )
-    drafter_follows_prefill: bool = _f(
-        False,
-        "a draft model computes each prefill chunk's KV in the chunk's round, so a request's "
-        "first speculating round needs no catch-up on its prompt",
+    drafter_follows_prefill: str = _f(
+        "off",
+        "a draft model computes prefill chunks' KV in the chunks' rounds, so a request's first "
+        "speculating round needs no catch-up on its prompt: off, on (every prompt), or auto "
+        "(while the policy would speculate on the decoding batch were its drafter caught up)",
+        choices=("off", "on", "auto"),
     )
     overlap_rounds: bool = _f(
         True,

@@ -208,7 +208,7 @@ class Engine:
             base_seed=config.seed,
             graphs=config.graphs,
             max_graph_rows=slots * config.spec_depth,
-            drafter_follows_prefill=config.drafter_follows_prefill,
+            drafter_follows_prefill=config.drafter_follows_prefill != "off",
         )
         self._tenants = tuple(tenants)
         self._next_id = 0
@@ -235,7 +235,10 @@ class Engine:
                 max_prefill_tokens=config.max_prefill_tokens,
                 max_model_len=self.max_model_len,
                 has_drafter=self.drafter is not None,
-                drafter_follows_prefill=self.executor.follow_prefill,
+                # the mode where the drafter can follow (a draft model), else off
+                drafter_follows_prefill=(
+                    config.drafter_follows_prefill if self.executor.follow_prefill else "off"
+                ),
             ),
             num_kv_blocks=self.num_kv_blocks,
             cost_model=cost_model,

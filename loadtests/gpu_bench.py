@@ -90,7 +90,7 @@ class BenchConfig(RefillBench):
     acceptance: str = str(PROFILES / "acceptance.json")
     keep_rounds: bool = False  # every step's record in the JSON (tests check the arithmetic)
     # the draft model computes prefill chunks' KV in their rounds (EngineConfig's option)
-    drafter_follows_prefill: bool = False
+    drafter_follows_prefill: str = "off"  # off | on | auto
     workers: int = 0  # simulator processes; 0: one per CPU (at most 16)
 
     def points(self) -> list[tuple[str, str]]:
@@ -195,10 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep-rounds", action="store_true", help="every step's record in the JSON")
     ap.add_argument(
         "--drafter-follows-prefill",
-        action=argparse.BooleanOptionalAction,
+        choices=("off", "on", "auto"),
         default=None,
-        help="the draft model computes prefill chunks' KV in their rounds (default off; the "
-        "all-AR baseline never does)",
+        help="the draft model computes prefill chunks' KV in their rounds: off (default), on, "
+        "or auto (while the policy would speculate on the decoding batch were its drafter "
+        "caught up); the all-AR baseline never does",
     )
     for flag, (name, _) in FLAGS.items():
         default = getattr(BenchConfig, name)

@@ -228,6 +228,9 @@ def install(engine, cfg: BenchConfig, concurrency: int, policy: str, profile_pat
     from scheduler.cost_model import CostModel
     from scheduler.scheduler import Scheduler, SchedulerConfig
 
+    # the all-AR baseline is a server without speculation: its drafter follows no prefill
+    follows = cfg.drafter_follows_prefill if policy != AR else "off"
+
     assert not engine.has_unfinished()
     ec = engine.config
     engine.scheduler = Scheduler(
@@ -240,9 +243,9 @@ def install(engine, cfg: BenchConfig, concurrency: int, policy: str, profile_pat
             max_prefill_tokens=ec.max_prefill_tokens,
             max_model_len=engine.max_model_len,
             has_drafter=True,
-            drafter_follows_prefill=cfg.drafter_follows_prefill
-            and policy != AR
-            and bool(getattr(drafter, "follows_prefill", False)),
+            drafter_follows_prefill=(
+                follows if getattr(drafter, "follows_prefill", False) else "off"
+            ),
         ),
         num_kv_blocks=engine.num_kv_blocks,
         cost_model=CostModel.from_file(profile_path),
@@ -250,8 +253,7 @@ def install(engine, cfg: BenchConfig, concurrency: int, policy: str, profile_pat
     )
     engine._num_switches = 0
     engine.drafter = engine.executor.drafter = drafter
-    # the all-AR baseline is a server without speculation: its drafter follows no prefill
-    engine.executor.drafter_follows_prefill = cfg.drafter_follows_prefill and policy != AR
+    engine.executor.drafter_follows_prefill = follows != "off"
 
 
 def warm_graphs(engine, cfg: BenchConfig) -> int:

@@ -177,6 +177,8 @@ class RoundPlan(msgspec.Struct, frozen=True, kw_only=True):
     release: tuple[int, ...] = ()  # slots freed (finished, aborted, preempted) before the rows
     decode: DecodeRows = msgspec.field(default_factory=DecodeRows.empty)
     prefills: tuple[ReqPlan, ...] = ()  # PREFILL chunks, laid out after the decode rows
+    # the drafter computes these chunks' draft KV in this round (those that continue it)
+    follow_prefill: bool = False
     num_rows: int = 0  # sum of num_new
     row_bucket: int = 0  # rows padded to this for graph replay (0: no padding, eager)
     num_kv_tokens: int = 0  # sum over requests of num_computed + num_new

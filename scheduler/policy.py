@@ -11,7 +11,7 @@ does not flip every round, and a probe while the estimators' prior rests on litt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -50,7 +50,7 @@ PROBE_RECHECK_ROUNDS = 64
 # accepted drafts, and the bounds of the factor. The evidence outlives AR stretches (half-life
 # ~350 decode rounds): relaxed at 0.98 per round (half-life 35), it was gone after the AR
 # stretch between two entries, and each entry was again made on the estimators' word. In the
-# simulator (H200 profile of 2026-11-30 06:05 UTC, C = 1..32, code / prose / mixed, 3 seeds):
+# simulator (H200 profile of 2026-11-30 06:10 UTC, C = 1..32, code / prose / mixed, 3 seeds):
 # 8 points below 0.98 x the better fixed policy at 0.98, 6 at 0.998 (prose C = 1, 2, 4: 0.973,
 # 0.975, 0.974 -> 0.976, 0.988, 0.983), 7 with no relaxing at all (mixed C = 1: 1.093 -> 1.034,
 # the cohort's code-like requests kept out by the prose-like ones' evidence).
@@ -519,6 +519,23 @@ class AdaptivePolicy:
             + (" cohort-change" if view.cohort_changed else "")
         )
         return Decision(num_draft, reason)
+
+    def would_speculate_caught_up(self, view, estimator, cost_model) -> bool:
+        """Whether the planner would speculate on this batch were every drafter caught up (no
+        lag, no hysteresis or dwell): asked before a round's prefill chunks, whose draft KV
+        computed alongside makes the requests' entries cheap (`drafter_follows_prefill`
+        auto). Changes no state."""
+        n = len(view.req_ids)
+        if n == 0 or view.max_drafts == 0 or not view.may_spec.any():
+            return False
+        survival = usable_survival(view, self.survival(view, estimator))  # [n, D]
+        value = survival * view.yield_factor
+        key = np.where(survival > 0, value, -1.0)
+        caught_up = replace(view, drafter_lag=np.zeros_like(view.drafter_lag))
+        catchup = Catchup(caught_up.drafter_lag, np.zeros(n))
+        basis = decode_basis(caught_up, cost_model, 1.0)
+        choice = plan_in_basis(value, key, caught_up, catchup, cost_model, basis)
+        return bool(choice.num_draft.any())
 
     def wants_probe(self, estimator: AcceptanceEstimator) -> bool:
         return estimator.needs_probe()

@@ -108,6 +108,7 @@ class Request:
     __slots__ = (
         "admit_seq",
         "admit_time",
+        "drafter_followed",
         "drafter_lag",
         "finish_reason",
         "last_mode",
@@ -137,6 +138,7 @@ class Request:
         self.admit_time = 0.0
         self.num_preemptions = 0
         self.drafter_lag = 0  # tokens committed since the drafter last saw this request
+        self.drafter_followed = 0  # prompt tokens whose draft KV the drafter computed in prefill
         self.last_mode = Mode.AR
         self.mode_since_round = 0
         self.num_drafted = 0

@@ -53,6 +53,7 @@ from scheduler.tenants import FairAdmission, TenantSpec
 
 StopChecker = Callable[[int, Sequence[int]], "tuple[int, str] | None"]
 
+FOLLOW_MODES = ("off", "on", "auto")  # SchedulerConfig.drafter_follows_prefill
 
 _SPECULATION_CODE = {"off": 0, "auto": 1, "on": 2}
 # a decode request's route letter from its speculating flag (a bool array's bytes)
@@ -112,11 +113,12 @@ class SchedulerConfig:
     max_prefill_tokens: int = _f(2048, "prefill rows per round (chunked prefill budget)")
     max_model_len: int = _f(0, "prompt + max_tokens limit; 0: only the KV capacity limits")
     has_drafter: bool = _f(True, "a drafter is loaded; without one no round speculates")
-    drafter_follows_prefill: bool = _f(
-        False,
-        "the drafter computes prefill chunks alongside the target; otherwise (the executor's "
-        "draft-model drafter) it catches up on the whole context at a request's first SPEC "
-        "round",
+    drafter_follows_prefill: str = _f(
+        "off",
+        "whether the drafter computes prefill chunks alongside the target (a draft model; "
+        "otherwise it catches up on the whole context at a request's first SPEC round): off, "
+        "on, or auto (in rounds where the policy would speculate on the decoding batch were "
+        "its drafter caught up)",
     )
     prior_acceptance: float = _f(0.7, "drafter acceptance assumed before any observation")
     kv_watermark: float = _f(
@@ -132,6 +134,11 @@ class SchedulerConfig:
             raise ValueError("max_concurrency, spec_depth and block_size must be >= 1")
         if self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
+        if self.drafter_follows_prefill not in FOLLOW_MODES:
+            raise ValueError(
+                f"drafter_follows_prefill must be one of {', '.join(FOLLOW_MODES)}, got "
+                f"{self.drafter_follows_prefill!r}"
+            )
 
     @property
     def max_drafts(self) -> int:
@@ -184,7 +191,7 @@ class Scheduler:
         self.config = config
         self.kv = BlockPool(num_kv_blocks, config.block_size)
         self.cost_model = cost_model or _default_cost_model()
-        self.cost_model.drafter_prefill = config.drafter_follows_prefill and config.max_drafts > 0
+        self.cost_model.drafter_prefill = False  # per round: whether its chunks are followed
         self.admission = FairAdmission(tenants)
         self.stop_checker = stop_checker
         if policy is None:
@@ -545,6 +552,8 @@ class Scheduler:
             slots = slots[self._slot_decoding[slots]]
             prefills = [(r, c) for r, c in prefills if r.slot >= 0]
 
+        follow = bool(prefills) and self._follows_prefill(slots)
+        self.cost_model.drafter_prefill = follow  # the round's price includes the draft forward
         num_draft = (
             self._decide(slots, prefills)
             if self._advanced is None
@@ -582,6 +591,7 @@ class Scheduler:
             release=tuple(released),
             decode=decode,
             prefills=prefill_plans,
+            follow_prefill=follow,
             num_rows=total_rows,
             row_bucket=self._row_bucket(total_rows, prefills),
             num_kv_tokens=kv_tokens,
@@ -713,6 +723,23 @@ class Scheduler:
         survival = self.estimator.survival(slots)[:, :d]  # [n, D]
         taken = np.arange(d)[None, :] < num_draft[:, None]
         return float((survival * taken).sum())
+
+    def _follows_prefill(self, slots: np.ndarray) -> bool:
+        """Whether the drafter follows this round's prefill chunks (see drafter_follows_prefill).
+        auto: while the policy would speculate on the decoding batch were its drafter caught up
+        (a fixed policy: whether it speculates at all); never before anyone decodes."""
+        mode = self.config.drafter_follows_prefill
+        if mode == "off" or self.config.max_drafts == 0:
+            return False
+        if mode == "on":
+            return True
+        if len(slots) == 0:
+            return False
+        ask = getattr(self.policy, "would_speculate_caught_up", None)
+        if ask is None:
+            return self.config.spec_mode == "spec"
+        view, _ = self._policy_view(slots, (), self._round_id)
+        return bool(ask(view, self.estimator, self.cost_model))
 
     def _policy_view(self, slots: np.ndarray, prefills, round_id: int):
         """The policy's view of a round that decodes `slots` next to `prefills` (chunks), and
@@ -985,7 +1012,9 @@ class Scheduler:
             else:
                 self.yield_tracker.relax()
         for j, q in enumerate(plan.prefills):
-            self._apply_prefill(q, out, n + j, tokens[starts[n + j] : starts[n + j + 1]], cols)
+            self._apply_prefill(
+                q, out, n + j, tokens[starts[n + j] : starts[n + j + 1]], cols, plan.follow_prefill
+            )
         if self._round_ar_rate > 0:
             self.rate_tracker.observe(int(starts[-1]), measured_ms, self._round_ar_rate)
         return cols.build()
@@ -1072,16 +1101,23 @@ class Scheduler:
             },
         )
 
-    def _apply_prefill(self, q: ReqPlan, out, row: int, tokens: list[int], cols) -> None:
+    def _apply_prefill(
+        self, q: ReqPlan, out, row: int, tokens: list[int], cols, followed: bool
+    ) -> None:
         req = self._requests.get(q.req_id)
         if req is None or not req.is_live or req.slot != q.slot:
             return  # aborted or preempted meanwhile: its tokens are dropped
+        if q.num_computed == 0:  # (a prefill from the start: a new request or a recompute)
+            req.drafter_followed = 0
+        if followed and req.drafter_followed == q.num_computed:
+            # the drafter computed this chunk: it continued the draft KV it had
+            req.drafter_followed += q.num_new
         req.num_computed += q.num_new
         if not q.sample:
             return
         req.state = ReqState.DECODING
-        # the drafter has seen the context only if it followed the prefill
-        req.drafter_lag = 0 if self.config.drafter_follows_prefill else req.num_prefill_target
+        # the drafter has seen the context as far as it followed the prefill
+        req.drafter_lag = req.num_prefill_target - req.drafter_followed
         self._cohort_changed = True
         keep, reason, stop_reason = self._stop_in_run(req, tokens)
         req.output_token_ids += tokens[:keep]

@@ -122,23 +122,21 @@ class DraftModelDrafter:
         """Called once by the executor with its block table; the drafter only reads it."""
         self.block_tables = block_tables
         if self.use_graphs:
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.kv.k,
-                self.kv.v,
-                max_seqs=self.max_slots,
-                max_blocks_per_seq=block_tables.shape[1],
-                max_rows=bucket_for(GRAPH_MAX_ROWS_PER_SEQ * self.max_slots) or DEFAULT_BUCKETS[-1],
-            )
-            self.wide_graphs = DecodeGraphs(
-                self.model,
-                self.kv.k,
-                self.kv.v,
-                max_seqs=self.max_slots,
-                max_blocks_per_seq=block_tables.shape[1],
-                max_rows=WIDE_BUCKETS[-1],
-                logits=False,
-            )
+
+            def graph_set(max_rows: int, logits: bool) -> DecodeGraphs:
+                return DecodeGraphs(
+                    self.model,
+                    self.kv.k,
+                    self.kv.v,
+                    max_seqs=self.max_slots,
+                    max_blocks_per_seq=block_tables.shape[1],
+                    max_rows=max_rows,
+                    logits=logits,
+                )
+
+            chain_rows = bucket_for(GRAPH_MAX_ROWS_PER_SEQ * self.max_slots) or DEFAULT_BUCKETS[-1]
+            self.graphs = graph_set(chain_rows, logits=True)
+            self.wide_graphs = graph_set(WIDE_BUCKETS[-1], logits=False)
 
     def capture_graphs(
         self,
@@ -425,16 +423,8 @@ class DraftModelDrafter:
             and 0 < bucket <= self.graphs.max_rows
             and max_q_len <= GRAPH_MAX_ROWS_PER_SEQ
         ):
-            logits = self.graphs.run(
-                bucket,
-                ids,
-                meta.positions,
-                meta.slot_mapping,
-                meta.cu_q_lens,
-                meta.seq_lens,
-                meta.block_tables,
-                max_q_len=max_q_len,
-            )  # [num_rows, vocab], a view of the graph's output: read before the next replay
+            # [num_rows, vocab], a view of the graph's output: read before the next replay
+            logits = _replay(self.graphs, bucket, ids, meta, max_q_len)
         else:
             logits = None
             hidden = self._wide_forward(ids, meta)
@@ -485,16 +475,7 @@ class DraftModelDrafter:
         bucket = bucket_for(len(ids), WIDE_BUCKETS)
         if self.wide_graphs is None or bucket == 0:
             return self.model.forward(ids, meta, self.kv.k, self.kv.v)
-        return self.wide_graphs.run(
-            bucket,
-            ids,
-            meta.positions,
-            meta.slot_mapping,
-            meta.cu_q_lens,
-            meta.seq_lens,
-            meta.block_tables,
-            max_q_len=WIDE_ROWS_HINT,
-        )
+        return _replay(self.wide_graphs, bucket, ids, meta, WIDE_ROWS_HINT)
 
     def _meta(self, slots: list[int], first_pos: list[int], num_rows: list[int]) -> AttnMetadata:
         """Attention metadata of `num_rows[s]` rows per sequence from position `first_pos[s]`."""
@@ -544,6 +525,23 @@ class DraftModelDrafter:
             point = torch.zeros_like(q).scatter_(1, tokens[:, None], 1.0)
             probs[prow + j] = torch.where(sampled[:, None], q, point)
         draft_tokens[req, j] = tokens
+
+
+def _replay(
+    graphs: DecodeGraphs, bucket: int, ids: torch.Tensor, meta: AttnMetadata, max_q_len: int
+) -> torch.Tensor:
+    """The graph set's output for the rows `meta` describes (a view: read it before the same
+    graph replays again)."""
+    return graphs.run(
+        bucket,
+        ids,
+        meta.positions,
+        meta.slot_mapping,
+        meta.cu_q_lens,
+        meta.seq_lens,
+        meta.block_tables,
+        max_q_len=max_q_len,
+    )
 
 
 class DeviceClock:

@@ -41,7 +41,6 @@ class SimExecutor:
         seed: int = 0,
         noise_sigma: float = 0.03,
         time_scale: Callable[[int, bool], float] | None = None,
-        drafter_prefill: bool = False,
         token_fn: Callable[[int, int], int] = default_token,
         trace_seed: int | None = None,
         trace_keys: tuple[int, ...] = (),
@@ -56,11 +55,12 @@ class SimExecutor:
         self.rng = random.Random(seed + 2)
         self.noise_sigma = noise_sigma
         self.time_scale = time_scale
-        self.drafter_prefill = drafter_prefill
         self.token_fn = token_fn
         self.slot_req = np.full(num_slots, -1, dtype=np.int64)  # req_id per slot, -1 free
         self.slot_next_index = np.zeros(num_slots, dtype=np.int64)  # next output index per slot
         self.slot_lag = np.zeros(num_slots, dtype=np.int64)  # tokens the drafter has not seen
+        # prompt tokens whose draft KV the drafter computed alongside their prefill chunks
+        self.slot_followed = np.zeros(num_slots, dtype=np.int64)
         self.slot_logprobs = np.zeros(num_slots, dtype=bool)  # the request asked for logprobs
 
     def run(self, plan: RoundPlan) -> RoundResult:
@@ -99,8 +99,13 @@ class SimExecutor:
             slot = r.slot
             assert self.slot_req[slot] == r.req_id, f"slot {slot} does not hold {r.req_id}"
             num_prefill_rows += r.num_new
-            # a drafter that does not follow prefills catches up on the whole context
-            self.slot_lag[slot] = 0 if self.drafter_prefill else r.num_computed + r.num_new
+            # the drafter catches up on what of the context it did not follow (a chunk is
+            # followed when the round says so and it continues the draft KV)
+            if r.num_computed == 0:
+                self.slot_followed[slot] = 0
+            if plan.follow_prefill and self.slot_followed[slot] == r.num_computed:
+                self.slot_followed[slot] += r.num_new
+            self.slot_lag[slot] = r.num_computed + r.num_new - self.slot_followed[slot]
             req_ids.append(r.req_id)
             firsts.append(self.slot_next_index[slot])
             counts.append(1 if r.sample else 0)
@@ -140,7 +145,7 @@ class SimExecutor:
                 num_spec,
                 lag,
                 num_prefill_rows,
-                self.drafter_prefill,
+                plan.follow_prefill,
                 padded=True,
                 num_draft_rows=int(num_draft.sum()),
             )

@@ -84,7 +84,7 @@ class SimSetup:
     trace_seed: int | None = None
     trace_keys: tuple[int, ...] = ()
     # the drafter computes prefill chunks alongside the target (no catch-up on the prompt)
-    drafter_follows_prefill: bool = False
+    drafter_follows_prefill: str = "off"  # off | on | auto (SchedulerConfig)
 
 
 @dataclass
@@ -163,14 +163,14 @@ def run_sim(
     )
     longest = workload.prompt_len * 3 // 2 + workload.max_tokens + setup.spec_depth
     num_blocks = setup.num_kv_blocks or c * num_blocks_for(longest, setup.block_size) + 1
-    drafter_prefill = cfg.drafter_follows_prefill and cfg.max_drafts > 0
+    # (the oracle's true cost: the drafter's prefill forward in every prefill round when on)
+    drafter_prefill = cfg.drafter_follows_prefill == "on" and cfg.max_drafts > 0
     executor = SimExecutor(
         profile,
         classes,
         c,
         seed=setup.seed,
         noise_sigma=setup.noise_sigma,
-        drafter_prefill=drafter_prefill,
         trace_seed=setup.trace_seed,
         trace_keys=setup.trace_keys,
     )

@@ -11,6 +11,7 @@ whole chains are accepted). The KV block pool must be back to idle after every r
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,7 +192,7 @@ def run_requests(
             max_prefill_tokens=max_prefill_tokens,
             max_model_len=MAX_MODEL_LEN,
             has_drafter=has_drafter,
-            drafter_follows_prefill=follows_prefill,
+            drafter_follows_prefill="on" if follows_prefill else "off",
         ),
         num_kv_blocks=num_blocks,
         policy=RandomDepthPolicy(rng, p_spec, max_drafts) if has_drafter else None,
@@ -398,6 +399,25 @@ def test_greedy_spec_equals_ar_with_the_draft_model_following_prefills(models, n
         else:  # the whole prompt (and outputs, after a preemption) to catch up
             assert min(first_lags) >= min(len(p) for p in prompts)
     assert catchup_rows[False] > catchup_rows[True] + sum(len(p) for p in prompts) // 2
+    # rounds that follow and rounds that do not, alternating (the auto mode's per-round
+    # decisions): a prompt is followed as far as its chunks continue the draft KV
+    script = itertools.cycle([True, False])
+
+    def alternate(plan, sched):
+        sched._follows_prefill = lambda slots: next(script)
+
+    log = run_requests(
+        models,
+        specs,
+        "draft-near",
+        np.random.default_rng([8, num_blocks]),
+        num_blocks=num_blocks,
+        follows_prefill=True,
+        on_plan=alternate,
+    )
+    for i in range(len(specs)):
+        assert log.outputs[i] == refs[i], f"alternating, request {i}"
+    assert catchup_rows[True] < log.num_catchup_rows < catchup_rows[False]
 
 
 def test_draft_model_writes_stay_inside_blocks_the_plan_allocated(models):

@@ -532,9 +532,9 @@ def test_stall_rows_name_the_runs_and_what_they_compiled():
 def test_the_draft_model_can_follow_prefills_in_the_runs(tmp_path):
     argv = ["--quick", "--out", str(tmp_path), "--repeats", "1", "--concurrency", "2"]
     argv += ["--drafters", "random:tiny", "--policies", "adaptive,all-spec"]
-    assert main([*argv, "--drafter-follows-prefill"]) == 0
+    assert main([*argv, "--drafter-follows-prefill", "auto"]) == 0
     record = json.loads((tmp_path / "gpu.json").read_text())
-    assert record["config"]["drafter_follows_prefill"] is True
+    assert record["config"]["drafter_follows_prefill"] == "auto"
     assert sorted(r["policy"] for r in record["runs"]) == ["adaptive", "all-spec"]
     for run in record["runs"]:
         assert run["num_failed"] == 0

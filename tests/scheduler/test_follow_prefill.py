@@ -1,0 +1,126 @@
+"""The drafter following prefill chunks, as the scheduler decides it per round
+(`drafter_follows_prefill`: off, on, auto) and accounts for it: the lag it keeps for a request
+agrees with the executor's whatever rounds were followed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.cost_model import CostModel
+from scheduler.plan import SamplingSpec
+from scheduler.policy import AdaptivePolicy, AllARPolicy
+from scheduler.request import RequestSpec
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sim.executor import SimExecutor
+from tests.scheduler.test_lifecycle_invariants import COHORTS, PROFILE
+
+
+def spec(req_id: int, prompt_len: int, max_tokens: int = 6) -> RequestSpec:
+    return RequestSpec(
+        req_id=req_id,
+        prompt_token_ids=tuple(range(3, 3 + prompt_len)),
+        sampling=SamplingSpec(),
+        max_tokens=max_tokens,
+    )
+
+
+class AskedPolicy(AdaptivePolicy):
+    """Adaptive, with the follow question answered by the test."""
+
+    def __init__(self, answer: bool):
+        super().__init__()
+        self.answer = answer
+        self.asked = 0
+
+    def would_speculate_caught_up(self, view, estimator, cost_model) -> bool:
+        self.asked += 1
+        return self.answer
+
+
+def scheduler(mode: str, policy=None, max_prefill_tokens: int = 8, spec_mode="adaptive"):
+    cfg = SchedulerConfig(
+        max_concurrency=2,
+        block_size=4,
+        spec_depth=4,
+        spec_mode=spec_mode,
+        max_prefill_tokens=max_prefill_tokens,
+        drafter_follows_prefill=mode,
+    )
+    return Scheduler(cfg, num_kv_blocks=64, cost_model=CostModel(PROFILE), policy=policy)
+
+
+def test_the_mode_is_checked():
+    with pytest.raises(ValueError, match="drafter_follows_prefill"):
+        scheduler("yes")
+
+
+@pytest.mark.parametrize(
+    ("mode", "answer", "follows"),
+    [("off", True, False), ("on", False, True), ("auto", True, True), ("auto", False, False)],
+)
+def test_a_round_follows_its_chunks_as_the_mode_says(mode, answer, follows):
+    policy = AskedPolicy(answer)
+    sched = scheduler(mode, policy)
+    ex = SimExecutor(PROFILE, COHORTS["code"], 2, seed=0)
+    sched.add_request(spec(0, 4))
+    first = sched.plan(0.0)
+    # nobody decodes yet: auto has no batch to ask about, and does not follow
+    assert first.prefills and first.follow_prefill == (mode == "on")
+    sched.update(ex.run(first), 0.0)
+    sched.add_request(spec(1, 4))
+    second = sched.plan(0.0)
+    assert second.prefills and len(second.decode) == 1
+    assert second.follow_prefill == follows
+    assert policy.asked == (1 if mode == "auto" else 0)
+
+
+def test_auto_asks_a_fixed_policy_whether_it_speculates():
+    for spec_mode, policy, follows in (("spec", None, True), ("ar", AllARPolicy(), False)):
+        sched = scheduler("auto", policy, spec_mode=spec_mode)
+        ex = SimExecutor(PROFILE, COHORTS["code"], 2, seed=0)
+        sched.add_request(spec(0, 4))
+        sched.update(ex.run(sched.plan(0.0)), 0.0)
+        sched.add_request(spec(1, 4))
+        plan = sched.plan(0.0)
+        assert plan.prefills and plan.follow_prefill == (follows and spec_mode != "ar")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+    answers=st.lists(st.booleans(), min_size=1, max_size=12),
+    chunk=st.integers(1, 12),
+)
+def test_the_lag_kept_for_a_request_is_what_its_drafter_did_not_follow(prompts, answers, chunk):
+    """Prompts in chunks over several rounds, each round followed or not: when a request
+    starts decoding, the scheduler's drafter lag for it is the part of its prompt the drafter
+    did not compute (a chunk counts only while it continues what was followed before), and it
+    agrees with the executor's at every round."""
+    import itertools
+
+    rounds = itertools.cycle(answers)
+    sched = scheduler("on", max_prefill_tokens=chunk)
+    sched._follows_prefill = lambda slots: next(rounds)  # the rounds' decisions, scripted
+    ex = SimExecutor(PROFILE, COHORTS["code"], 2, seed=0)
+    for i, n in enumerate(prompts):
+        sched.add_request(spec(i, n, max_tokens=3))
+    followed: dict[int, int] = {}
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        plan = sched.plan(0.0)
+        for q in plan.prefills:
+            done = followed.get(q.req_id, 0) if q.num_computed else 0
+            if plan.follow_prefill and done == q.num_computed:
+                done += q.num_new
+            followed[q.req_id] = done
+        sched.update(ex.run(plan), 0.0)
+        live = np.flatnonzero(sched._slot_decoding)
+        assert np.array_equal(sched._drafter_lag[live], ex.slot_lag[live])
+        for q in plan.prefills:
+            if q.sample and q.slot in live:
+                assert sched._drafter_lag[q.slot] == q.num_computed + q.num_new - followed[q.req_id]
+    assert not sched.has_work()
