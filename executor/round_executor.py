@@ -682,7 +682,7 @@ class RoundExecutor:
         if self.drafter is not None:
             # drafters only hear about rounds in which they drafted: AR and prefill tokens
             # reach them through the context at their next proposal
-            for i in np.flatnonzero(dec.num_draft & own[:n]).tolist():
+            for i in np.flatnonzero((dec.num_draft > 0) & own[:n]).tolist():
                 s = int(slots[i])
                 self.drafter.commit(s, self.context(s), int(num_accepted[i]), int(dec.num_draft[i]))
         logprobs = self._logprobs(p, starts, tokens, num_emitted)

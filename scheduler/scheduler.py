@@ -1034,7 +1034,9 @@ class Scheduler:
         new_computed = self._num_computed[slots] + 1 + accepted
         self._num_computed[slots] = np.where(live, new_computed, self._num_computed[slots])
         lag = self._drafter_lag[slots]
-        self._drafter_lag[slots] = np.where(live, np.where(spec, 0, lag + 1), lag)
+        # a fully accepted chain leaves its last draft without draft KV: one row to catch up
+        caught = (spec & (accepted == d)).astype(np.int64)
+        self._drafter_lag[slots] = np.where(live, np.where(spec, caught, lag + 1), lag)
         observed = live & spec
         if observed.any():
             self._pending_obs[-1] = (slots[observed], d[observed], accepted[observed])

@@ -82,12 +82,15 @@ class SimExecutor:
         spec = num_draft > 0
         num_spec = int(np.count_nonzero(spec))
         lag = int(self.slot_lag[slots][spec].sum())
-        # a drafter catches up when its request speculates, and falls behind by an AR token
-        self.slot_lag[slots] = np.where(spec, 0, self.slot_lag[slots] + 1)
         start = self.slot_next_index[slots]  # [n] output index of each request's first token
         accepted = np.zeros(len(dec), dtype=np.int64)
         for i in np.flatnonzero(spec).tolist():  # the hidden acceptance model, per request
             accepted[i] = self.acceptance.accepted(int(slots[i]), int(start[i]), int(num_draft[i]))
+        # a drafter catches up when its request speculates (but for the last draft of a fully
+        # accepted chain, never fed), and falls behind by an AR token
+        self.slot_lag[slots] = np.where(
+            spec, (accepted == num_draft).astype(np.int64), self.slot_lag[slots] + 1
+        )
         num_emit = 1 + accepted
         req_ids = list(dec.req_ids)
         firsts = list(start)

@@ -241,6 +241,13 @@ def run_requests(
                 if len(d.token_ids) < emitted[d.req_id]:
                     reason = d.finish_reason
                     log.stops_inside_run[reason] = log.stops_inside_run.get(reason, 0) + 1
+        if isinstance(drafter, DraftModelDrafter):
+            # the scheduler's drafter lag (what the cost model prices) is the draft model's:
+            # the committed positions it has no draft KV for
+            slots = np.flatnonzero(sched._slot_decoding)
+            assert np.array_equal(
+                drafter.kv_len[slots] + sched._drafter_lag[slots], sched._num_computed[slots]
+            ), num_rounds
     log.num_preemptions = sched.stats.num_preemptions
     assert sched.num_running == 0 and sched.num_waiting == 0
     assert sched.kv.num_free == sched.kv.num_total
