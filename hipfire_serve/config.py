@@ -70,7 +70,14 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
-        """Raises ValueError with a one-line reason for a bad combination."""
+        """Raises ValueError with a one-line reason for a bad value or combination."""
+        for f in config_fields(type(self)):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, "
+                    f"got {getattr(self, f.name)!r}"
+                )
         if self.spec_depth < 1 or self.spec_depth > 32:
             raise ValueError(f"--spec-depth must be in [1, 32], got {self.spec_depth}")
         if self.max_concurrency < 1:

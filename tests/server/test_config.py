@@ -90,6 +90,14 @@ def test_bad_settings_give_one_line_reasons(argv, environ, reason):
     assert "\n" not in str(info.value)
 
 
+def test_a_config_built_in_code_is_checked_against_the_choices_too():
+    from hipfire_serve.config import EngineConfig
+
+    EngineConfig(drafter_follows_prefill="auto").validate()
+    with pytest.raises(ValueError, match="--drafter-follows-prefill must be one of off, on, auto"):
+        EngineConfig(drafter_follows_prefill="yes").validate()
+
+
 def test_unknown_toml_key_is_refused(tmp_path):
     toml = tmp_path / "serve.toml"
     toml.write_text("max_concurency = 5\n")
