@@ -86,7 +86,8 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
     ratio = dict(t["spec_round_ratio"])
     assert sorted(ratio) == [1, 4] and all(r > 0 for r in ratio.values())
     factor = cm.profile.round_ms_scalar(8, 0, 1, 4) / spec
-    assert factor == pytest.approx(ratio[4])
+    # (the cost model keeps the factor within [0.5, 3]: a CPU's timings can fall outside)
+    assert factor == pytest.approx(min(max(ratio[4], 0.5), 3.0))
 
     # the engine finds the profile in the cache by its key
     monkeypatch.setattr(profiler, "CACHE_DIR", tmp_path / "cache")
