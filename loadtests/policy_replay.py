@@ -43,7 +43,7 @@ def priced_finish(engine, profile, noise: float, rng: random.Random, spec_bias: 
         num_spec = int((plan.decode.num_draft > 0).sum())
         depth = plan.spec_depth - 1 if num_spec else 0
         prefill_rows = sum(q.num_new for q in plan.prefills)
-        ms = profile.executor_ms_scalar(
+        ms = profile.round_ms_scalar(
             plan.num_rows,
             plan.num_kv_tokens,
             depth,
@@ -51,6 +51,7 @@ def priced_finish(engine, profile, noise: float, rng: random.Random, spec_bias: 
             0,
             prefill_rows,
             num_draft_rows=int(plan.decode.num_draft.sum()),
+            executor_only=True,
         )
         if depth:
             ms *= spec_bias

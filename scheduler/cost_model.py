@@ -548,9 +548,12 @@ class ProfileCost:
         drafter_prefill: bool = False,
         padded: bool = False,
         num_draft_rows: int | None = None,
+        executor_only: bool = False,
     ) -> float:
         """round_ms for one shape in plain Python (no array overhead). `padded`: num_rows is
-        already the executed (padded or eager) row count."""
+        already the executed (padded or eager) row count. `executor_only`: less the engine's
+        host time around a speculating round, the part an executor's own measured round time
+        stands for (what a priced executor reports)."""
         if padded or num_prefill_rows:
             t = self._target.scalar(num_rows)
         else:
@@ -565,7 +568,8 @@ class ProfileCost:
             else:
                 t += self.chain_ms_scalar(num_spec, draft_depth)
                 t += self.catchup_extra_ms_scalar(num_spec, drafter_lag_rows)
-            t += self.round_spec_host_ms(num_rows, num_prefill_rows, num_spec, draft_depth)
+            host = self.round_spec_host_ms(num_rows, num_prefill_rows, num_spec, draft_depth)
+            t += host
             t += self._propose_list[min(num_spec, TABLE_ROWS - 1)]
             if self._excess_list is not None:
                 drafts = num_spec * draft_depth if num_draft_rows is None else num_draft_rows
@@ -574,35 +578,8 @@ class ProfileCost:
             t += self._eager.scalar(num_prefill_rows)
         if draft_depth > 0:
             t *= self._spec_ratio_list[min(max(num_spec, 0), TABLE_ROWS - 1)]
-        return t
-
-    def executor_ms_scalar(
-        self,
-        num_rows: int,
-        num_kv_tokens: int,
-        draft_depth: int = 0,
-        num_spec: int = 0,
-        drafter_lag_rows: int = 0,
-        num_prefill_rows: int = 0,
-        drafter_prefill: bool = False,
-        padded: bool = False,
-        num_draft_rows: int | None = None,
-    ) -> float:
-        """round_ms_scalar less the engine's host time around a speculating round: the part an
-        executor's own measured round time stands for (what a priced executor reports)."""
-        t = self.round_ms_scalar(
-            num_rows,
-            num_kv_tokens,
-            draft_depth,
-            num_spec,
-            drafter_lag_rows,
-            num_prefill_rows,
-            drafter_prefill,
-            padded,
-            num_draft_rows,
-        )
-        if draft_depth > 0:
-            t -= self.round_spec_host_ms(num_rows, num_prefill_rows, num_spec, draft_depth)
+            if executor_only:  # (the spec ratio prices the round with the host time in it)
+                t -= host
         return t
 
 

@@ -222,6 +222,7 @@ class Scheduler:
         self._slot_decoding = np.zeros(num_slots, dtype=bool)
         self._num_computed = np.zeros(num_slots, dtype=np.int64)
         self._drafter_lag = np.zeros(num_slots, dtype=np.int64)
+        self._last_follow = False  # the last auto answer (_follows_prefill)
         self._last_mode = np.zeros(num_slots, dtype=np.int64)
         self._mode_since = np.zeros(num_slots, dtype=np.int64)
         self._remaining = np.zeros(num_slots, dtype=np.int64)  # max_tokens - outputs
@@ -552,7 +553,7 @@ class Scheduler:
             slots = slots[self._slot_decoding[slots]]
             prefills = [(r, c) for r, c in prefills if r.slot >= 0]
 
-        follow = bool(prefills) and self._follows_prefill(slots)
+        follow = bool(prefills) and self._follows_prefill(slots, prefills)
         self.cost_model.drafter_prefill = follow  # the round's price includes the draft forward
         num_draft = (
             self._decide(slots, prefills)
@@ -724,22 +725,29 @@ class Scheduler:
         taken = np.arange(d)[None, :] < num_draft[:, None]
         return float((survival * taken).sum())
 
-    def _follows_prefill(self, slots: np.ndarray) -> bool:
+    def _follows_prefill(self, slots: np.ndarray, prefills) -> bool:
         """Whether the drafter follows this round's prefill chunks (see drafter_follows_prefill).
         auto: while the policy would speculate on the decoding batch were its drafter caught up
-        (a fixed policy: whether it speculates at all); never before anyone decodes."""
+        (a fixed policy: whether it speculates at all); never before anyone decodes. Asked when
+        a prompt starts; chunks that continue prompts keep the last answer (a prompt is
+        followed only as far as its chunks continue the draft KV, so switching midway wastes
+        what was followed)."""
         mode = self.config.drafter_follows_prefill
         if mode == "off" or self.config.max_drafts == 0:
             return False
         if mode == "on":
             return True
+        if not any(r.num_computed == 0 for r, _ in prefills):
+            return self._last_follow
         if len(slots) == 0:
-            return False
-        ask = getattr(self.policy, "would_speculate_caught_up", None)
-        if ask is None:
-            return self.config.spec_mode == "spec"
-        view, _ = self._policy_view(slots, (), self._round_id)
-        return bool(ask(view, self.estimator, self.cost_model))
+            follow = False
+        elif (ask := getattr(self.policy, "would_speculate_caught_up", None)) is None:
+            follow = self.config.spec_mode == "spec"
+        else:
+            view, _ = self._policy_view(slots, (), self._round_id)
+            follow = bool(ask(view, self.estimator, self.cost_model))
+        self._last_follow = follow
+        return follow
 
     def _policy_view(self, slots: np.ndarray, prefills, round_id: int):
         """The policy's view of a round that decodes `slots` next to `prefills` (chunks), and

@@ -141,7 +141,7 @@ class SimExecutor:
         self.last_host_ms = 0.0
         if plan.num_reqs:
             depth = plan.spec_depth - 1 if num_spec else 0
-            ms = self.profile.executor_ms_scalar(
+            ms = self.profile.round_ms_scalar(
                 rows,
                 plan.num_kv_tokens,
                 depth,
@@ -151,6 +151,7 @@ class SimExecutor:
                 plan.follow_prefill,
                 padded=True,
                 num_draft_rows=int(num_draft.sum()),
+                executor_only=True,
             )
             if depth:
                 self.last_host_ms = self.profile.round_spec_host_ms(

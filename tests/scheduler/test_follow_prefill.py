@@ -42,7 +42,7 @@ class AskedPolicy(AdaptivePolicy):
 
 def scheduler(mode: str, policy=None, max_prefill_tokens: int = 8, spec_mode="adaptive"):
     cfg = SchedulerConfig(
-        max_concurrency=2,
+        max_concurrency=3,
         block_size=4,
         spec_depth=4,
         spec_mode=spec_mode,
@@ -64,7 +64,7 @@ def test_the_mode_is_checked():
 def test_a_round_follows_its_chunks_as_the_mode_says(mode, answer, follows):
     policy = AskedPolicy(answer)
     sched = scheduler(mode, policy)
-    ex = SimExecutor(PROFILE, COHORTS["code"], 2, seed=0)
+    ex = SimExecutor(PROFILE, COHORTS["code"], 3, seed=0)
     sched.add_request(spec(0, 4))
     first = sched.plan(0.0)
     # nobody decodes yet: auto has no batch to ask about, and does not follow
@@ -75,12 +75,23 @@ def test_a_round_follows_its_chunks_as_the_mode_says(mode, answer, follows):
     assert second.prefills and len(second.decode) == 1
     assert second.follow_prefill == follows
     assert policy.asked == (1 if mode == "auto" else 0)
+    # a prompt in two chunks: the round of its second chunk keeps the answer, asks nothing
+    sched.update(ex.run(second), 0.0)
+    sched.add_request(spec(2, 14))
+    third = sched.plan(0.0)
+    policy.answer = not answer
+    sched.update(ex.run(third), 0.0)
+    fourth = sched.plan(0.0)
+    assert [q.num_computed for q in third.prefills] == [0]
+    assert [q.num_computed for q in fourth.prefills] == [8]
+    assert fourth.follow_prefill == third.follow_prefill
+    assert policy.asked == (2 if mode == "auto" else 0)
 
 
 def test_auto_asks_a_fixed_policy_whether_it_speculates():
     for spec_mode, policy, follows in (("spec", None, True), ("ar", AllARPolicy(), False)):
         sched = scheduler("auto", policy, spec_mode=spec_mode)
-        ex = SimExecutor(PROFILE, COHORTS["code"], 2, seed=0)
+        ex = SimExecutor(PROFILE, COHORTS["code"], 3, seed=0)
         sched.add_request(spec(0, 4))
         sched.update(ex.run(sched.plan(0.0)), 0.0)
         sched.add_request(spec(1, 4))
@@ -103,8 +114,8 @@ def test_the_lag_kept_for_a_request_is_what_its_drafter_did_not_follow(prompts, 
 
     rounds = itertools.cycle(answers)
     sched = scheduler("on", max_prefill_tokens=chunk)
-    sched._follows_prefill = lambda slots: next(rounds)  # the rounds' decisions, scripted
-    ex = SimExecutor(PROFILE, COHORTS["code"], 2, seed=0)
+    sched._follows_prefill = lambda slots, prefills: next(rounds)  # the rounds' decisions, scripted
+    ex = SimExecutor(PROFILE, COHORTS["code"], 3, seed=0)
     for i, n in enumerate(prompts):
         sched.add_request(spec(i, n, max_tokens=3))
     followed: dict[int, int] = {}

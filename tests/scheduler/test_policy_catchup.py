@@ -163,3 +163,24 @@ def test_a_probe_is_not_held_by_the_dwell():
     # a request that switched by the planner's own choice is still held
     held = AdaptivePolicy()
     assert held.decide(after, est, MODEL).num_draft[2] > 0
+
+
+def test_the_follow_question_ignores_lag_and_changes_nothing():
+    """`would_speculate_caught_up` (asked before prefill chunks under --drafter-follows-prefill
+    auto): a code-like batch whose drafters lag a whole prompt, with too few tokens left to pay
+    that catch-up back, stays in AR, but is one the planner would speculate on once caught up;
+    a batch whose estimators expect little is not; asking leaves the policy's state as it was."""
+    n = 8
+    policy = AdaptivePolicy()
+    lagging = _view(n, lag=1000, remaining=3)
+    assert not AdaptivePolicy().decide(lagging, _code_estimator(n), MODEL).num_draft.any()
+    assert policy.would_speculate_caught_up(lagging, _code_estimator(n), MODEL)
+    poor = AcceptanceEstimator(num_slots=n, max_drafts=7, prior_acceptance=0.05)
+    assert not policy.would_speculate_caught_up(lagging, poor, MODEL)
+    assert not policy.would_speculate_caught_up(
+        replace(lagging, may_spec=np.zeros(n, dtype=bool)), _code_estimator(n), MODEL
+    )
+    state = (policy._probe_check.copy(), policy._probe_req_id, policy.stretches._req_id.copy())
+    policy.would_speculate_caught_up(lagging, _code_estimator(n), MODEL)
+    assert policy._probe_check == state[0] and policy._probe_req_id == state[1]
+    assert np.array_equal(policy.stretches._req_id, state[2])
