@@ -10,6 +10,9 @@ extended):
   several context lengths (slope of round time over KV tokens), so the cost model's KV term
   `kv_tokens * kv_bytes_per_token / rate` is a measurement, not an assumption;
 - `target.rows_kv_ms`: the raw grid (rows, kv tokens per sequence, ms) the two were fitted from;
+- `target.prefill_rows_ms`: [rows, ms] whole rounds of prefill chunks (the starts of prompts of
+  up to 1024 tokens, no decode rows), eager as such rounds run: what rounds with prefill chunks
+  are priced by;
 - `target.spec_rows_ms`: [k, r, ms] whole rounds of k speculating sequences of r rows each
   (1 + drafts; k over the powers of two up to the slot count and the slot count, r in 2, 4, 8
   within the spec depth) at the reference context, with the same KV-term subtraction and host
@@ -54,6 +57,12 @@ from scheduler.plan import Mode, ReqPlan, RoundPlan, SamplingSpec, SeqSetup
 CACHE_DIR = Path.home() / ".cache" / "hipfire-serve" / "profiles"
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
 DEFAULT_KV_LENS = (16, 512, 2048)
+# Prefill chunks timed for the profile (`target.prefill_rows_ms`), up to the round's prefill
+# budget plus a decode row per slot: rounds with a chunk run eagerly, and the graphed decode
+# rounds' curve continued linearly priced a 2048-token chunk of an 8B model at 35 ms against
+# 51 ms measured (H200, 2026-11-30).
+PREFILL_ROWS = (256, 1024, 2048, 4096)
+PREFILL_CHUNK_ROWS = 1024  # tokens per prompt in those rounds (a typical prompt)
 
 
 def profile_key(
@@ -241,6 +250,62 @@ class RoundTimer:
             for name in ("build", "draft", "forward", "accept", "commit")
         }
         return statistics.median(times)
+
+    def time_prefill_round(self, num_rows: int, repeats: int, chunk_rows: int) -> float:
+        """Median wall time (ms) of a round of prefill chunks only, `num_rows` tokens in chunks
+        of at most `chunk_rows` (the starts of as many prompts; eager: rounds with prefill
+        chunks replay no graph)."""
+        ex = self.ex
+        sizes = [min(chunk_rows, num_rows - a) for a in range(0, num_rows, chunk_rows)]
+        setups, blocks = self._contexts(len(sizes), max(sizes), 1, num_rows * 7919 + 3)
+        chunks = [
+            ReqPlan(
+                req_id=slot,
+                slot=slot,
+                mode=Mode.PREFILL,
+                num_computed=0,
+                num_new=n,
+                new_block_ids=blocks[slot],
+            )
+            for slot, n in enumerate(sizes)
+        ]
+        plan = RoundPlan.from_reqs(chunks, round_id=0, num_rows=num_rows, row_bucket=num_rows)
+        saved_drafter, ex.drafter = ex.drafter, None  # the target's cost alone
+        ex._apply_setup_release(RoundPlan(round_id=0, setup=tuple(setups)))
+        times = []
+        try:
+            for i in range(repeats + 2):
+                for slot, n in enumerate(sizes):  # the prompt's first n tokens, none computed
+                    ex.rewind(slot, n, num_computed=0)
+                _sync(ex.device)
+                t0 = time.perf_counter()
+                ex.run(plan)
+                _sync(ex.device)
+                if i >= 2:
+                    times.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            ex._apply_setup_release(RoundPlan(round_id=0, release=tuple(range(len(sizes)))))
+            ex.drafter = saved_drafter
+            for slot in range(len(sizes)):
+                self.pool.free(slot)
+        return statistics.median(times)
+
+
+def time_prefill_rows(engine, timer: RoundTimer, repeats: int) -> list[list[float]]:
+    """[[rows, ms], ...] rounds of prefill chunks (`RoundTimer.time_prefill_round`, prompts of
+    at most PREFILL_CHUNK_ROWS tokens) at the PREFILL_ROWS up to the engine's prefill budget
+    plus a row per slot (and the budget itself), those the KV blocks and slots hold."""
+    ex = timer.ex
+    budget = engine.config.max_prefill_tokens
+    top = budget + ex.max_slots
+    chunk = min(PREFILL_CHUNK_ROWS, engine.max_model_len - 1)
+    out = []
+    for n in sorted({r for r in PREFILL_ROWS if r < top} | {budget}):
+        seqs = -(-n // chunk)
+        if seqs > ex.max_slots or seqs * -(-(chunk + 1) // ex.block_size) > ex.kv.num_blocks:
+            continue
+        out.append([n, round(timer.time_prefill_round(n, repeats, chunk), 4)])
+    return out
 
 
 def time_rounds_ahead(timer: RoundTimer, num_rows: int, kv_len: int, repeats: int) -> float:
@@ -702,6 +767,7 @@ def build_profile(
             grid.append([n, kv_len, round(timer.time_round(n, kv_len, repeats), 4)])
     elt = target.weights.embed.element_size()
     kv_bytes = cfg.kv_bytes_per_token(elt)
+    prefill_rows_ms = time_prefill_rows(engine, timer, max(2, min(repeats, 5)))
 
     def num_seqs(n: int) -> int:  # RoundTimer's layout: AR rows up to the slots, then groups
         return -(-n // (1 if n <= ex.max_slots else -(-n // ex.max_slots)))
@@ -798,6 +864,7 @@ def build_profile(
             "kv_read_TBps_assumed": float(f"{kv_rate:.4g}"),
             "kv_rate_fitted": bool(rates),
             "rows_kv_ms": grid,
+            "prefill_rows_ms": prefill_rows_ms,
             "spec_rows_ms": spec_rows_ms,
             "ref_kv_len": ref,
             "host_ms_per_round": host_ms,

@@ -273,11 +273,11 @@ class RoundExecutor:
         """The slot's committed context (prompt + outputs), a view."""
         return self.tokens[slot, : self.context_len[slot]]
 
-    def rewind(self, slot: int, context_len: int) -> None:
-        """Forgets the slot's tokens past `context_len` (committed length `context_len - 1`):
-        benchmarks re-run one round from the same state with it."""
+    def rewind(self, slot: int, context_len: int, num_computed: int | None = None) -> None:
+        """Forgets the slot's tokens past `context_len` (committed length `num_computed`,
+        default `context_len - 1`): benchmarks re-run one round from the same state with it."""
         self.context_len[slot] = context_len
-        self.num_computed[slot] = context_len - 1
+        self.num_computed[slot] = context_len - 1 if num_computed is None else num_computed
 
     def _sync(self) -> None:
         if self.sync_phases:

@@ -243,6 +243,17 @@ class ProfileCost:
         self.row_buckets = np.asarray(self.target_rows, dtype=np.int64)  # [num_points]
         self.name = profile.get("name", "profile")
         self._target = _Curve.from_points(self.target_rows, self.target_ms_points)
+        # Rounds with prefill chunks run eagerly: priced by the profile's prefill rounds where it
+        # has them (`prefill_rows_ms`), the decode rounds' curve below the fewest rows measured
+        prefill = np.asarray(target.get("prefill_rows_ms") or [], dtype=np.float64).reshape(-1, 2)
+        if len(prefill):
+            below = self.target_rows < prefill[0, 0]
+            self._prefill = _Curve.from_points(
+                np.concatenate([self.target_rows[below], prefill[:, 0]]),
+                np.concatenate([self.target_ms_points[below], prefill[:, 1]]),
+            )
+        else:
+            self._prefill = self._target
         self._draft = _Curve.from_points(self.draft_rows, self.draft_ms_points)
         # A catch-up past the passes is one eager forward (the passes' graphs hold a few rows
         # per request): launch-bound, so priced at the measured whole-forward times
@@ -345,6 +356,10 @@ class ProfileCost:
 
     def target_ms(self, num_rows):
         return self._target(num_rows)
+
+    def prefill_target_ms(self, num_rows):
+        """Target cost of a round with a prefill chunk (eager)."""
+        return self._prefill(num_rows)
 
     def padded_target_ms(self, num_rows):
         """Target cost of a decode-only round: its rows padded to the graph bucket."""
@@ -512,10 +527,13 @@ class ProfileCost:
         num_draft_rows=None,
     ):
         """Uncorrected round time in ms (scalars or broadcastable arrays). Decode-only rounds
-        are padded to their graph bucket; rounds with a prefill chunk run eagerly.
+        are padded to their graph bucket; rounds with a prefill chunk run eagerly (priced by
+        the profile's prefill rounds where it has them).
         `num_draft_rows`: the round's draft rows (default: num_spec * draft_depth)."""
-        target = self._target if np.any(num_prefill_rows) else self._padded
-        t = target(num_rows) + self.attention_ms(num_kv_tokens)
+        t = np.where(
+            np.asarray(num_prefill_rows) > 0, self._prefill(num_rows), self._padded(num_rows)
+        )
+        t = t + self.attention_ms(num_kv_tokens)
         draft_depth = np.asarray(draft_depth)
         ahead = (draft_depth == 0) & (np.asarray(num_prefill_rows) == 0)
         t = t * np.where(ahead, self._ahead_ratio(num_rows), 1.0)
@@ -554,7 +572,9 @@ class ProfileCost:
         already the executed (padded or eager) row count. `executor_only`: less the engine's
         host time around a speculating round, the part an executor's own measured round time
         stands for (what a priced executor reports)."""
-        if padded or num_prefill_rows:
+        if num_prefill_rows:
+            t = self._prefill.scalar(num_rows)
+        elif padded:
             t = self._target.scalar(num_rows)
         else:
             t = self._padded.scalar(num_rows)
@@ -754,7 +774,7 @@ class CostModel:
         p = self.profile
         extra = np.arange(int(extra_rows.max()) + 1)  # [R]
         rows = base_rows + extra
-        target = p.target_ms(rows) if num_prefill_rows else p.padded_target_ms(rows)  # [R]
+        target = p.prefill_target_ms(rows) if num_prefill_rows else p.padded_target_ms(rows)  # [R]
         fixed = target + (base_kv_tokens + extra) * p.kv_ms_per_token  # [R]
         if self.drafter_prefill and num_prefill_rows:
             fixed = fixed + p._draft.scalar(num_prefill_rows)
@@ -788,7 +808,7 @@ class CostModel:
         p = self.profile
         extra = np.arange(max_extra_rows + 1)  # [R]
         rows = base_rows + extra
-        target = p.target_ms(rows) if num_prefill_rows else p.padded_target_ms(rows)  # [R]
+        target = p.prefill_target_ms(rows) if num_prefill_rows else p.padded_target_ms(rows)  # [R]
         fixed = target + (base_kv_tokens + extra) * p.kv_ms_per_token  # [R]
         if self.drafter_prefill and num_prefill_rows:
             fixed = fixed + p._draft.scalar(num_prefill_rows)

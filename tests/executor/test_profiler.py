@@ -64,6 +64,10 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
         host_ms = host[1] + (host[4] - host[1]) * (seqs - 1) / 3
         expect = max(at_ref[r] - seqs * 64 * kv_ms_per_token, 0.1 * at_ref[r]) + host_ms
         assert abs(ms - expect) < 2e-3, (r, ms, expect)
+    # rounds of prefill chunks, prompts of at most max-model-len - 1 tokens (511 here): up to
+    # the budget (2048) where the 4 slots hold them (1024 rows: 3 prompts; 2048 would take 5)
+    assert [r for r, _ in t["prefill_rows_ms"]] == [256, 1024]
+    assert all(ms > 0 for _, ms in t["prefill_rows_ms"])
     # AR rounds run ahead: their period against the round alone, per AR row count (<= slots)
     assert [r for r, _ in t["ar_ahead_ratio"]] == [1, 2]
     assert all(0 < ratio <= 1 for _, ratio in t["ar_ahead_ratio"])

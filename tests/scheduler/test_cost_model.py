@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.cost_model import CALIB_PRIOR_COUNT, CostModel, ProfileCost
-from tests.scheduler.test_lifecycle_invariants import PROFILE
+from tests.scheduler.test_lifecycle_invariants import PROFILE, PROFILES
 
 
 def test_profile_points_and_padding():
@@ -643,7 +643,6 @@ def test_the_simulator_prices_all_spec_from_the_tables():
     served make all-spec slower there, AR untouched."""
     from scheduler.sim.acceptance_model import load_cohorts
     from scheduler.sim.runner import SimSetup, Workload, run_sim
-    from tests.scheduler.test_lifecycle_invariants import PROFILES
 
     cohort = load_cohorts(PROFILES / "acceptance.json")["prose"]
     work = Workload(num_requests=8, prompt_len=256, max_tokens=48)
@@ -761,3 +760,41 @@ def test_a_following_drafter_prices_prefill_chunks_as_one_wide_forward():
         assert float(grid[0] - prof.round_ms(one, 0, num_prefill_rows=one)[0]) == pytest.approx(
             extra
         )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 6000),
+    kv=st.integers(0, 100000),
+    depth=st.integers(0, 7),
+    num_spec=st.integers(0, 64),
+    prefill=st.integers(0, 4096),
+)
+def test_rounds_with_prefill_chunks_are_priced_by_the_profiled_prefill_rounds(
+    rows, kv, depth, num_spec, prefill
+):
+    raw = json.loads((PROFILES / "h200-qwen3-8b.json").read_text())
+    raw["target"]["prefill_rows_ms"] = [[256, 9.0], [1024, 27.0], [2048, 51.0]]
+    cost = ProfileCost(raw)
+    num_spec = num_spec if depth else 0
+    rows = max(rows, prefill + num_spec * (depth + 1))
+    # the profiled chunk rounds themselves, linear between them and past the last one
+    assert cost.round_ms_scalar(2048, 0, num_prefill_rows=2048) == pytest.approx(51.0)
+    assert cost.round_ms_scalar(1536, 0, num_prefill_rows=1536) == pytest.approx(39.0)
+    assert cost.round_ms_scalar(3072, 0, num_prefill_rows=3072) == pytest.approx(75.0)
+    # below the fewest prefill rows: the decode rounds' curve (eager, unpadded)
+    assert cost.prefill_target_ms(100) == pytest.approx(float(PROFILE.target_ms(100)))
+    # decode-only rounds keep the graphed decode curve
+    assert cost.round_ms_scalar(rows, kv, depth, num_spec) == pytest.approx(
+        PROFILE.round_ms_scalar(rows, kv, depth, num_spec)
+    )
+    # every path prices alike
+    a = float(cost.round_ms(rows, kv, depth, num_spec, 0, prefill))
+    assert a == pytest.approx(cost.round_ms_scalar(rows, kv, depth, num_spec, 0, prefill))
+    if prefill:  # the planner's grid: one request drafting one token next to the chunk
+        model = CostModel(cost)
+        one = np.ones(1, dtype=np.int64)
+        base = max(rows, prefill + 1)  # (the chunk and the drafting request's own row)
+        grid = model.predict_spec_grid(base, kv, one, one, one, one * 0, prefill)
+        want = model.predict_ms_scalar(base + 1, kv + 1, 1, 1, 0, prefill, num_draft_rows=1)
+        assert grid[0] == pytest.approx(want)
