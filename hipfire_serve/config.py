@@ -42,7 +42,8 @@ class EngineConfig:
         "off",
         "a draft model computes prefill chunks' KV in the chunks' rounds, so a request's first "
         "speculating round needs no catch-up on its prompt: off, on (every prompt), or auto "
-        "(while the policy would speculate on the decoding batch were its drafter caught up)",
+        "(prompts whose following the policy's speculation on the live batch, every request "
+        "decoding with its drafter caught up, would pay back)",
         choices=("off", "on", "auto"),
     )
     overlap_rounds: bool = _f(

@@ -357,6 +357,11 @@ class ProfileCost:
     def target_ms(self, num_rows):
         return self._target(num_rows)
 
+    def follow_ms(self, num_rows: int) -> float:
+        """A draft model's forward over `num_rows` prefill rows it follows (the catch-up
+        curve, as rounds that follow their chunks are priced)."""
+        return self._eager.scalar(num_rows)
+
     def prefill_target_ms(self, num_rows):
         """Target cost of a round with a prefill chunk (eager)."""
         return self._prefill(num_rows)

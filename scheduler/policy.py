@@ -45,6 +45,17 @@ CATCHUP_HORIZON_ROUNDS = 512.0
 # size (AdaptivePolicy.probe_can_pay: one more search, so not every round while the evidence
 # is stale).
 PROBE_RECHECK_ROUNDS = 64
+# Entry margin: a plan in which nobody speculated last round and whose entrants must catch their
+# drafters up is taken only at a predicted gain of at least ENTRY_MARGIN x the entrants' share
+# of the batch. Such an entry is priced with its catch-up spread over the SPEC rounds the
+# request is expected to stay; on prose-like text it stayed one or two (the H200 record of
+# 2026-11-30: entries at +0.1% to +1.4% predicted, a 2.6-5.2 ms catch-up each, left after two
+# rounds). In the simulator (H200 profile of 2026-11-30 08:10 UTC, 6 seeds): prose C = 1, 2
+# 0.979, 0.979 -> 0.985, 0.989 x all-AR, mixed C = 1 1.085 -> 1.111; nothing else moved by
+# more than the seeds' spread. Entries without a catch-up (a model-free drafter) keep the
+# plain break-even (as a whole-plan margin, 0.05 took prose-like text at C = 32 with the
+# n-gram drafter from 1.005 to 0.968).
+ENTRY_MARGIN = 0.05
 # Yield calibration (YieldTracker): the discount of one speculating round's evidence (memory ~50
 # rounds), of the evidence per decode round without speculation, the prior's weight in expected
 # accepted drafts, and the bounds of the factor. The evidence outlives AR stretches (half-life
@@ -497,6 +508,13 @@ class AdaptivePolicy:
             entry_key(key, value, charge, basis, cost_model)
         choice = plan_in_basis(value, key, view, catchup, cost_model, basis)
         num_draft = choice.num_draft
+        ar_rate = choice.ar_tokens / choice.ar_ms
+        gain = (choice.predicted_tokens / choice.predicted_ms) / ar_rate - 1.0 if ar_rate else 0.0
+        spec = num_draft > 0
+        entry = spec.any() and not spec[view.was_spec | force].any()  # (see ENTRY_MARGIN)
+        held = ""
+        if entry and full_catchup[spec].sum() > 0 and gain < ENTRY_MARGIN * spec.mean():
+            num_draft, held = np.zeros_like(num_draft), " entry below margin"
         probe = ""
         if not num_draft.any() and needs_probe and may_probe.any():
             check = self._probe_check
@@ -509,22 +527,28 @@ class AdaptivePolicy:
                 self._probe_req_id = int(view.req_ids[np.flatnonzero(num_draft)[0]])
         self.stretches.observe(view, num_draft)
         num_spec = int(np.count_nonzero(num_draft))
-        ar_rate = choice.ar_tokens / choice.ar_ms
-        gain = (choice.predicted_tokens / choice.predicted_ms) / ar_rate - 1.0 if ar_rate else 0.0
         reason = (
             f"k={num_spec}/{n} d_max={int(num_draft.max(initial=0))} "
             f"pred {gain * 100:+.1f}% tok/s vs AR ({choice.ar_ms:.2f} ms)"
+            + held
             + probe
             + (" drain" if view.draining else "")
             + (" cohort-change" if view.cohort_changed else "")
         )
         return Decision(num_draft, reason)
 
-    def would_speculate_caught_up(self, view, estimator, cost_model) -> bool:
-        """Whether the planner would speculate on this batch were every drafter caught up (no
-        lag, no hysteresis or dwell): asked before a round's prefill chunks, whose draft KV
-        computed alongside makes the requests' entries cheap (`drafter_follows_prefill`
-        auto). Changes no state."""
+    def following_pays(
+        self, view, estimator, cost_model, follow_ms: float, num_tokens: float
+    ) -> bool:
+        """Whether the drafter following the prompts that start now pays
+        (`drafter_follows_prefill` auto): the speculation the planner would choose on this
+        batch were every drafter caught up (no lag, hysteresis or dwell) saves more batch time
+        over the `num_tokens` those prompts' requests will generate than the drafter's forward
+        over the prompts costs (`follow_ms`). Each token of a batch costs 1 / its rate of the
+        batch's time, so speculating saves num_tokens x (1 / AR rate - 1 / speculating rate).
+        (Asked only whether it would speculate, auto followed every prompt at C = 64 on a
+        profile whose drafter paid ~15 ms of launches per followed round: 0.62x all-AR refill
+        tokens/s in the simulator, with no speculating round at all.) Changes no state."""
         n = len(view.req_ids)
         if n == 0 or view.max_drafts == 0 or not view.may_spec.any():
             return False
@@ -535,7 +559,11 @@ class AdaptivePolicy:
         catchup = Catchup(caught_up.drafter_lag, np.zeros(n))
         basis = decode_basis(caught_up, cost_model, 1.0)
         choice = plan_in_basis(value, key, caught_up, catchup, cost_model, basis)
-        return bool(choice.num_draft.any())
+        if not choice.num_draft.any() or choice.ar_tokens <= 0:
+            return False
+        ms_per_token_ar = choice.ar_ms / choice.ar_tokens
+        ms_per_token_spec = choice.predicted_ms / choice.predicted_tokens
+        return num_tokens * (ms_per_token_ar - ms_per_token_spec) > follow_ms
 
     def wants_probe(self, estimator: AcceptanceEstimator) -> bool:
         return estimator.needs_probe()

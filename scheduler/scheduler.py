@@ -22,7 +22,7 @@ objects carry the rest (lifecycle, outputs) and the state of prefilling requests
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import numpy as np
@@ -117,8 +117,8 @@ class SchedulerConfig:
         "off",
         "whether the drafter computes prefill chunks alongside the target (a draft model; "
         "otherwise it catches up on the whole context at a request's first SPEC round): off, "
-        "on, or auto (in rounds where the policy would speculate on the decoding batch were "
-        "its drafter caught up)",
+        "on, or auto (prompts whose following the policy's speculation on the live batch, "
+        "every request decoding with its drafter caught up, would pay back)",
     )
     prior_acceptance: float = _f(0.7, "drafter acceptance assumed before any observation")
     kv_watermark: float = _f(
@@ -553,7 +553,7 @@ class Scheduler:
             slots = slots[self._slot_decoding[slots]]
             prefills = [(r, c) for r, c in prefills if r.slot >= 0]
 
-        follow = bool(prefills) and self._follows_prefill(slots, prefills)
+        follow = bool(prefills) and self._follows_prefill(prefills)
         self.cost_model.drafter_prefill = follow  # the round's price includes the draft forward
         num_draft = (
             self._decide(slots, prefills)
@@ -725,13 +725,18 @@ class Scheduler:
         taken = np.arange(d)[None, :] < num_draft[:, None]
         return float((survival * taken).sum())
 
-    def _follows_prefill(self, slots: np.ndarray, prefills) -> bool:
+    def _follows_prefill(self, prefills) -> bool:
         """Whether the drafter follows this round's prefill chunks (see drafter_follows_prefill).
-        auto: while the policy would speculate on the decoding batch were its drafter caught up
-        (a fixed policy: whether it speculates at all); never before anyone decodes. Asked when
+        auto: where the speculation the policy would choose on the live batch, every request
+        decoding with its drafter caught up, saves more than following the starting prompts
+        costs (`AdaptivePolicy.following_pays`; a fixed policy: whether it speculates). Asked when
         a prompt starts; chunks that continue prompts keep the last answer (a prompt is
         followed only as far as its chunks continue the draft KV, so switching midway wastes
-        what was followed)."""
+        what was followed). The whole live batch, not the requests decoding now: while slots
+        fill, the few that decode are held to the rate of all live requests (decode_basis) and
+        never speculate, yet the prompts starting then are the batch that decodes next; asked
+        of the decoding ones only, auto followed none of the first wave and the code-like
+        cohort at C = 16 stayed in AR (0.91x all-spec full-live in the simulator)."""
         mode = self.config.drafter_follows_prefill
         if mode == "off" or self.config.max_drafts == 0:
             return False
@@ -739,15 +744,54 @@ class Scheduler:
             return True
         if not any(r.num_computed == 0 for r, _ in prefills):
             return self._last_follow
-        if len(slots) == 0:
-            follow = False
-        elif (ask := getattr(self.policy, "would_speculate_caught_up", None)) is None:
+        if (ask := getattr(self.policy, "following_pays", None)) is None:
             follow = self.config.spec_mode == "spec"
         else:
-            view, _ = self._policy_view(slots, (), self._round_id)
-            follow = bool(ask(view, self.estimator, self.cost_model))
+            starting = [r for r, _ in prefills if r.num_computed == 0]
+            profile = self.cost_model.profile
+            follow_ms = sum(profile.follow_ms(r.num_prefill_target) for r in starting)
+            num_tokens = float(sum(r.num_remaining for r in starting))
+            view = self._steady_view()
+            follow = bool(ask(view, self.estimator, self.cost_model, follow_ms, num_tokens))
         self._last_follow = follow
         return follow
+
+    def _steady_view(self) -> DecodeView:
+        """The policy's view of the live batch as it will decode: every live request decoding,
+        those still in prefill with their whole prompt computed, at the global prior (their
+        estimators start there), out of any dwell, their drafters caught up."""
+        live = [r for r in self._live if r.slot >= 0]
+        slots = np.array([r.slot for r in live], dtype=np.int64)
+        view, _ = self._policy_view(slots, (), self._round_id)
+        pre = np.flatnonzero(~self._slot_decoding[slots])  # positions of prefilling requests
+        if not len(pre):
+            return view
+        reqs = [live[i] for i in pre]
+        code = np.array([_SPECULATION_CODE[r.spec.speculation] for r in reqs], dtype=np.int64)
+
+        def put(column: np.ndarray, values) -> np.ndarray:
+            out = column.copy()
+            out[pre] = values
+            return out
+
+        n = len(slots)
+        decoding = slots[self._slot_decoding[slots]]
+        kv = int(self._num_computed[decoding].sum()) + sum(r.num_prefill_target for r in reqs) + n
+        ar_ms = self.cost_model.predict_ms_scalar(n, kv)
+        return replace(
+            view,
+            num_remaining=put(view.num_remaining, [r.num_remaining for r in reqs]),
+            drafter_lag=put(view.drafter_lag, 0),
+            may_spec=put(view.may_spec, code > 0),
+            must_spec=put(view.must_spec, code == 2),
+            was_spec=put(view.was_spec, False),
+            in_dwell=put(view.in_dwell, False),
+            weights=np.ones(n),
+            base_kv_tokens=kv,
+            base_tokens=float(n),
+            draining=False,
+            rate_bar=self.rate_tracker.uplift * n / ar_ms,
+        )
 
     def _policy_view(self, slots: np.ndarray, prefills, round_id: int):
         """The policy's view of a round that decodes `slots` next to `prefills` (chunks), and

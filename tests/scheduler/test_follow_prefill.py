@@ -34,9 +34,11 @@ class AskedPolicy(AdaptivePolicy):
         super().__init__()
         self.answer = answer
         self.asked = 0
+        self.views = []
 
-    def would_speculate_caught_up(self, view, estimator, cost_model) -> bool:
+    def following_pays(self, view, estimator, cost_model, follow_ms, num_tokens) -> bool:
         self.asked += 1
+        self.views.append((view, follow_ms, num_tokens))
         return self.answer
 
 
@@ -67,14 +69,14 @@ def test_a_round_follows_its_chunks_as_the_mode_says(mode, answer, follows):
     ex = SimExecutor(PROFILE, COHORTS["code"], 3, seed=0)
     sched.add_request(spec(0, 4))
     first = sched.plan(0.0)
-    # nobody decodes yet: auto has no batch to ask about, and does not follow
-    assert first.prefills and first.follow_prefill == (mode == "on")
+    # nobody decodes yet: auto asks about the live batch as it will decode
+    assert first.prefills and first.follow_prefill == follows
     sched.update(ex.run(first), 0.0)
     sched.add_request(spec(1, 4))
     second = sched.plan(0.0)
     assert second.prefills and len(second.decode) == 1
     assert second.follow_prefill == follows
-    assert policy.asked == (1 if mode == "auto" else 0)
+    assert policy.asked == (2 if mode == "auto" else 0)
     # a prompt in two chunks: the round of its second chunk keeps the answer, asks nothing
     sched.update(ex.run(second), 0.0)
     sched.add_request(spec(2, 14))
@@ -85,7 +87,33 @@ def test_a_round_follows_its_chunks_as_the_mode_says(mode, answer, follows):
     assert [q.num_computed for q in third.prefills] == [0]
     assert [q.num_computed for q in fourth.prefills] == [8]
     assert fourth.follow_prefill == third.follow_prefill
-    assert policy.asked == (2 if mode == "auto" else 0)
+    assert policy.asked == (3 if mode == "auto" else 0)
+
+
+def test_auto_asks_about_every_live_request_as_it_will_decode():
+    """The follow question's batch: the decoding requests as they are and the ones still in
+    prefill with their whole prompt computed, out of dwell, drafters caught up."""
+    policy = AskedPolicy(True)
+    sched = scheduler("auto", policy, max_prefill_tokens=64)
+    ex = SimExecutor(PROFILE, COHORTS["code"], 3, seed=0)
+    sched.add_request(spec(0, 5, max_tokens=9))
+    sched.update(ex.run(sched.plan(0.0)), 0.0)  # request 0 decodes from here
+    sched.add_request(spec(1, 7, max_tokens=4))
+    sched.add_request(spec(2, 11, max_tokens=6))
+    plan = sched.plan(0.0)
+    assert [q.req_id for q in plan.prefills] == [1, 2]
+    view, follow_ms, num_tokens = policy.views[-1]
+    # the starting prompts' cost to follow, against the tokens their requests will make
+    assert follow_ms == pytest.approx(PROFILE.follow_ms(7) + PROFILE.follow_ms(11))
+    assert num_tokens == 4 + 6
+    assert sorted(view.req_ids.tolist()) == [0, 1, 2]
+    order = np.argsort(view.req_ids)
+    assert view.num_remaining[order].tolist() == [8, 4, 6]  # request 0 made its first token
+    assert view.may_spec.all() and not view.drafter_lag.any() and not view.in_dwell.any()
+    assert not view.was_spec.any() and view.num_prefill_rows == 0 and view.num_live == 3
+    # KV: what request 0 has computed (its prompt) and the other two prompts, + a row each
+    assert view.base_kv_tokens == 5 + 7 + 11 + 3
+    assert view.base_rows == 3 and view.base_tokens == 3.0
 
 
 def test_auto_asks_a_fixed_policy_whether_it_speculates():
@@ -114,7 +142,7 @@ def test_the_lag_kept_for_a_request_is_what_its_drafter_did_not_follow(prompts, 
 
     rounds = itertools.cycle(answers)
     sched = scheduler("on", max_prefill_tokens=chunk)
-    sched._follows_prefill = lambda slots, prefills: next(rounds)  # the rounds' decisions, scripted
+    sched._follows_prefill = lambda prefills: next(rounds)  # the rounds' decisions, scripted
     ex = SimExecutor(PROFILE, COHORTS["code"], 3, seed=0)
     for i, n in enumerate(prompts):
         sched.add_request(spec(i, n, max_tokens=3))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -165,22 +166,50 @@ def test_a_probe_is_not_held_by_the_dwell():
     assert held.decide(after, est, MODEL).num_draft[2] > 0
 
 
-def test_the_follow_question_ignores_lag_and_changes_nothing():
-    """`would_speculate_caught_up` (asked before prefill chunks under --drafter-follows-prefill
-    auto): a code-like batch whose drafters lag a whole prompt, with too few tokens left to pay
-    that catch-up back, stays in AR, but is one the planner would speculate on once caught up;
-    a batch whose estimators expect little is not; asking leaves the policy's state as it was."""
+def test_the_follow_question_ignores_lag_weighs_the_cost_and_changes_nothing():
+    """`following_pays` (asked when prompts start under --drafter-follows-prefill auto): a
+    code-like batch whose drafters lag a whole prompt, with too few tokens left to pay that
+    catch-up back, stays in AR, but following pays where the tokens to come save more than the
+    follow costs; not where the follow costs more than they save; a batch whose estimators
+    expect little is not followed; asking leaves the policy's state as it was."""
     n = 8
     policy = AdaptivePolicy()
     lagging = _view(n, lag=1000, remaining=3)
-    assert not AdaptivePolicy().decide(lagging, _code_estimator(n), MODEL).num_draft.any()
-    assert policy.would_speculate_caught_up(lagging, _code_estimator(n), MODEL)
+    code = _code_estimator(n)
+    assert not AdaptivePolicy().decide(lagging, code, MODEL).num_draft.any()
+    assert policy.following_pays(lagging, code, MODEL, follow_ms=4.0, num_tokens=1000.0)
+    assert not policy.following_pays(lagging, code, MODEL, follow_ms=4.0, num_tokens=1.0)
+    assert not policy.following_pays(lagging, code, MODEL, follow_ms=1e6, num_tokens=1000.0)
     poor = AcceptanceEstimator(num_slots=n, max_drafts=7, prior_acceptance=0.05)
-    assert not policy.would_speculate_caught_up(lagging, poor, MODEL)
-    assert not policy.would_speculate_caught_up(
-        replace(lagging, may_spec=np.zeros(n, dtype=bool)), _code_estimator(n), MODEL
+    assert not policy.following_pays(lagging, poor, MODEL, follow_ms=0.0, num_tokens=1000.0)
+    assert not policy.following_pays(
+        replace(lagging, may_spec=np.zeros(n, dtype=bool)), code, MODEL, 0.0, 1000.0
     )
     state = (policy._probe_check.copy(), policy._probe_req_id, policy.stretches._req_id.copy())
-    policy.would_speculate_caught_up(lagging, _code_estimator(n), MODEL)
+    policy.following_pays(lagging, code, MODEL, 4.0, 1000.0)
     assert policy._probe_check == state[0] and policy._probe_req_id == state[1]
     assert np.array_equal(policy.stretches._req_id, state[2])
+
+
+@pytest.mark.parametrize("lag", [0, 40])
+def test_an_entry_that_must_catch_up_needs_the_margin(monkeypatch, lag):
+    """A batch entering speculation (nobody speculated last round) whose drafters must catch
+    up enters only at a predicted gain of ENTRY_MARGIN x its entrants' share of the batch; a
+    caught-up batch (no catch-up to waste) enters at any gain."""
+    from scheduler import policy as policy_module
+
+    n = 4
+    view = _view(n, lag=lag, remaining=120)
+    code = _code_estimator(n)
+    free = AdaptivePolicy().decide(view, code, MODEL)
+    assert free.num_draft.any()
+    gain = float(free.reason.split("pred ")[1].split("%")[0]) / 100
+    share = np.count_nonzero(free.num_draft) / n
+    # a margin just above what this plan predicts: held in AR where a catch-up is at stake
+    monkeypatch.setattr(policy_module, "ENTRY_MARGIN", (gain + 0.01) / share)
+    held = AdaptivePolicy().decide(view, code, MODEL)
+    assert held.num_draft.any() == (lag == 0)
+    assert ("entry below margin" in held.reason) == (lag > 0)
+    # just below it: entered
+    monkeypatch.setattr(policy_module, "ENTRY_MARGIN", (gain - 0.01) / share)
+    assert AdaptivePolicy().decide(view, code, MODEL).num_draft.any()
