@@ -54,6 +54,11 @@ from scheduler.tenants import FairAdmission, TenantSpec
 StopChecker = Callable[[int, Sequence[int]], "tuple[int, str] | None"]
 
 FOLLOW_MODES = ("off", "on", "auto")  # SchedulerConfig.drafter_follows_prefill
+# auto's answer is kept for prompts starting within this many rounds of it while the live batch
+# keeps its size: the question is one search of the depth planner over every live request
+# (1-3 ms of host time per round with prefill chunks at C = 64..128 on the H200 run of
+# 2026-11-30 08:55 UTC, where prompts start in nearly every such round).
+FOLLOW_RECHECK_ROUNDS = 32
 
 _SPECULATION_CODE = {"off": 0, "auto": 1, "on": 2}
 # a decode request's route letter from its speculating flag (a bool array's bytes)
@@ -223,6 +228,7 @@ class Scheduler:
         self._num_computed = np.zeros(num_slots, dtype=np.int64)
         self._drafter_lag = np.zeros(num_slots, dtype=np.int64)
         self._last_follow = False  # the last auto answer (_follows_prefill)
+        self._follow_asked = (-FOLLOW_RECHECK_ROUNDS, -1)  # (round, live requests) of it
         self._last_mode = np.zeros(num_slots, dtype=np.int64)
         self._mode_since = np.zeros(num_slots, dtype=np.int64)
         self._remaining = np.zeros(num_slots, dtype=np.int64)  # max_tokens - outputs
@@ -732,11 +738,13 @@ class Scheduler:
         costs (`AdaptivePolicy.following_pays`; a fixed policy: whether it speculates). Asked when
         a prompt starts; chunks that continue prompts keep the last answer (a prompt is
         followed only as far as its chunks continue the draft KV, so switching midway wastes
-        what was followed). The whole live batch, not the requests decoding now: while slots
-        fill, the few that decode are held to the rate of all live requests (decode_basis) and
-        never speculate, yet the prompts starting then are the batch that decodes next; asked
-        of the decoding ones only, auto followed none of the first wave and the code-like
-        cohort at C = 16 stayed in AR (0.91x all-spec full-live in the simulator)."""
+        what was followed), and so do prompts starting soon after it in a batch of the same
+        size (FOLLOW_RECHECK_ROUNDS). The whole live batch, not the requests decoding now:
+        while slots fill, the few that decode are held to the rate of all live requests
+        (decode_basis) and never speculate, yet the prompts starting then are the batch that
+        decodes next; asked of the decoding ones only, auto followed none of the first wave
+        and the code-like cohort at C = 16 stayed in AR (0.91x all-spec full-live in the
+        simulator)."""
         mode = self.config.drafter_follows_prefill
         if mode == "off" or self.config.max_drafts == 0:
             return False
@@ -744,6 +752,10 @@ class Scheduler:
             return True
         if not any(r.num_computed == 0 for r, _ in prefills):
             return self._last_follow
+        asked_round, asked_live = self._follow_asked
+        if self._round_id - asked_round < FOLLOW_RECHECK_ROUNDS and asked_live == len(self._live):
+            return self._last_follow  # (see FOLLOW_RECHECK_ROUNDS)
+        self._follow_asked = (self._round_id, len(self._live))
         if (ask := getattr(self.policy, "following_pays", None)) is None:
             follow = self.config.spec_mode == "spec"
         else:

@@ -163,3 +163,31 @@ def test_the_lag_kept_for_a_request_is_what_its_drafter_did_not_follow(prompts, 
             if q.sample and q.slot in live:
                 assert sched._drafter_lag[q.slot] == q.num_computed + q.num_new - followed[q.req_id]
     assert not sched.has_work()
+
+
+def test_auto_keeps_its_answer_for_prompts_starting_soon_after_in_a_batch_of_one_size(
+    monkeypatch,
+):
+    """The follow question is one planner search over the live batch: prompts starting
+    within FOLLOW_RECHECK_ROUNDS of it while the batch keeps its size reuse the answer."""
+    from scheduler import scheduler as scheduler_module
+
+    def run(window: int) -> tuple[int, int]:
+        monkeypatch.setattr(scheduler_module, "FOLLOW_RECHECK_ROUNDS", window)
+        policy = AskedPolicy(True)
+        sched = scheduler("auto", policy, max_prefill_tokens=64)
+        ex = SimExecutor(PROFILE, COHORTS["code"], 3, seed=0)
+        for i in range(12):  # (finishing at different rounds: starts in a full batch too)
+            sched.add_request(spec(i, 4, max_tokens=3 + i % 4))
+        starts = 0
+        while sched.has_work():
+            plan = sched.plan(0.0)
+            starts += any(q.num_computed == 0 for q in plan.prefills)
+            assert plan.follow_prefill or not plan.prefills
+            sched.update(ex.run(plan), 0.0)
+        return policy.asked, starts
+
+    asked, starts = run(0)
+    assert asked == starts > 3  # every round where a prompt starts asks
+    asked_kept, starts_kept = run(1000)
+    assert starts_kept == starts and 0 < asked_kept < asked
