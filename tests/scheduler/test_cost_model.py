@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from scheduler.cost_model import CALIB_PRIOR_COUNT, CostModel, ProfileCost
@@ -49,9 +49,10 @@ def test_kv_and_drafter_terms():
 )
 def test_scalar_and_array_paths_agree(rows, kv, depth, num_spec, lag, prefill):
     num_spec = num_spec if depth else 0
-    a = float(PROFILE.round_ms(rows, kv, depth, num_spec, lag, prefill, True))
-    b = PROFILE.round_ms_scalar(rows, kv, depth, num_spec, lag, prefill, True)
-    assert a == pytest.approx(b, rel=1e-9)
+    for profile in (PROFILE, PREFILL_PROFILE):  # (the second prices prefill rounds apart)
+        a = float(profile.round_ms(rows, kv, depth, num_spec, lag, prefill, True))
+        b = profile.round_ms_scalar(rows, kv, depth, num_spec, lag, prefill, True)
+        assert a == pytest.approx(b, rel=1e-9)
 
 
 @pytest.mark.parametrize("factor", [0.7, 1.4])
@@ -762,39 +763,32 @@ def test_a_following_drafter_prices_prefill_chunks_as_one_wide_forward():
         )
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    rows=st.integers(1, 6000),
-    kv=st.integers(0, 100000),
-    depth=st.integers(0, 7),
-    num_spec=st.integers(0, 64),
-    prefill=st.integers(0, 4096),
-)
-def test_rounds_with_prefill_chunks_are_priced_by_the_profiled_prefill_rounds(
-    rows, kv, depth, num_spec, prefill
-):
+def _with_prefill_rounds() -> ProfileCost:
     raw = json.loads((PROFILES / "h200-qwen3-8b.json").read_text())
     raw["target"]["prefill_rows_ms"] = [[256, 9.0], [1024, 27.0], [2048, 51.0]]
-    cost = ProfileCost(raw)
-    num_spec = num_spec if depth else 0
-    rows = max(rows, prefill + num_spec * (depth + 1))
+    return ProfileCost(raw)
+
+
+PREFILL_PROFILE = _with_prefill_rounds()
+
+
+def test_rounds_with_prefill_chunks_are_priced_by_the_profiled_prefill_rounds():
+    cost = PREFILL_PROFILE
     # the profiled chunk rounds themselves, linear between them and past the last one
     assert cost.round_ms_scalar(2048, 0, num_prefill_rows=2048) == pytest.approx(51.0)
     assert cost.round_ms_scalar(1536, 0, num_prefill_rows=1536) == pytest.approx(39.0)
     assert cost.round_ms_scalar(3072, 0, num_prefill_rows=3072) == pytest.approx(75.0)
     # below the fewest prefill rows: the decode rounds' curve (eager, unpadded)
     assert cost.prefill_target_ms(100) == pytest.approx(float(PROFILE.target_ms(100)))
-    # decode-only rounds keep the graphed decode curve
-    assert cost.round_ms_scalar(rows, kv, depth, num_spec) == pytest.approx(
-        PROFILE.round_ms_scalar(rows, kv, depth, num_spec)
-    )
-    # every path prices alike
-    a = float(cost.round_ms(rows, kv, depth, num_spec, 0, prefill))
-    assert a == pytest.approx(cost.round_ms_scalar(rows, kv, depth, num_spec, 0, prefill))
-    if prefill:  # the planner's grid: one request drafting one token next to the chunk
+    for rows, kv, depth, num_spec in ((1, 0, 0, 0), (40, 9000, 0, 0), (64, 60000, 7, 8)):
+        # decode-only rounds keep the graphed decode curve
+        assert cost.round_ms_scalar(rows, kv, depth, num_spec) == pytest.approx(
+            PROFILE.round_ms_scalar(rows, kv, depth, num_spec)
+        )
+        # the planner's grid: one more request drafting one token next to a chunk
         model = CostModel(cost)
         one = np.ones(1, dtype=np.int64)
-        base = max(rows, prefill + 1)  # (the chunk and the drafting request's own row)
-        grid = model.predict_spec_grid(base, kv, one, one, one, one * 0, prefill)
-        want = model.predict_ms_scalar(base + 1, kv + 1, 1, 1, 0, prefill, num_draft_rows=1)
+        base = rows + 700
+        grid = model.predict_spec_grid(base, kv, one, one, one, one * 0, 700)
+        want = model.predict_ms_scalar(base + 1, kv + 1, 1, 1, 0, 700, num_draft_rows=1)
         assert grid[0] == pytest.approx(want)
