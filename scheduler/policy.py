@@ -48,13 +48,14 @@ PROBE_RECHECK_ROUNDS = 64
 # Entry margin: a plan in which nobody speculated last round and whose entrants must catch their
 # drafters up is taken only at a predicted gain of at least ENTRY_MARGIN x the entrants' share
 # of the batch. Such an entry is priced with its catch-up spread over the SPEC rounds the
-# request is expected to stay; on prose-like text it stayed one or two (the H200 record of
-# 2026-11-30: entries at +0.1% to +1.4% predicted, a 2.6-5.2 ms catch-up each, left after two
-# rounds). In the simulator (H200 profile of 2026-11-30 08:10 UTC, 6 seeds): prose C = 1, 2
-# 0.979, 0.979 -> 0.985, 0.989 x all-AR, mixed C = 1 1.085 -> 1.111; nothing else moved by
-# more than the seeds' spread. Entries without a catch-up (a model-free drafter) keep the
-# plain break-even (as a whole-plan margin, 0.05 took prose-like text at C = 32 with the
-# n-gram drafter from 1.005 to 0.968).
+# request is expected to stay; on prose-like text it stayed one or two (H200, 2026-11-30 06:20
+# UTC, prose C = 1: entries at +0.1% to +1.4% predicted, a 2.6-5.2 ms catch-up each, out again
+# after two rounds). In the simulator (the profile of the H200 record of 08:41 UTC, 6 seeds,
+# C = 1..32, three profile variants): points below 0.98 x the better fixed policy 9 -> 8,
+# prose C = 2 0.985 -> 0.991, the mixed cohort's lead at C = 1..4 2-4% smaller (still
+# 1.07-1.14x; docs/perf/scheduler.md). Entries without a catch-up (a model-free drafter) keep
+# the plain break-even (as a margin on every entry, 0.05 took prose-like text at C = 32 with
+# the n-gram drafter from 1.005 to 0.968).
 ENTRY_MARGIN = 0.05
 # Yield calibration (YieldTracker): the discount of one speculating round's evidence (memory ~50
 # rounds), of the evidence per decode round without speculation, the prior's weight in expected
