@@ -411,7 +411,7 @@ def test_greedy_spec_equals_ar_with_the_draft_model_following_prefills(models, n
     script = itertools.cycle([True, False])
 
     def alternate(plan, sched):
-        sched._follows_prefill = lambda slots, prefills: next(script)
+        sched._follows_prefill = lambda prefills: next(script)
 
     log = run_requests(
         models,
