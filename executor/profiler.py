@@ -55,6 +55,9 @@ from scheduler.kv_blocks import BlockPool
 from scheduler.plan import Mode, ReqPlan, RoundPlan, SamplingSpec, SeqSetup
 
 CACHE_DIR = Path.home() / ".cache" / "hipfire-serve" / "profiles"
+# Part of the cache key: raised when the profile gains a measurement the cost model prices by,
+# so that a profile cached before it is measured anew (2: `target.prefill_rows_ms`).
+PROFILE_FORMAT = 2
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
 DEFAULT_KV_LENS = (16, 512, 2048)
 # Prefill chunks timed for the profile (`target.prefill_rows_ms`), up to the round's prefill
@@ -80,6 +83,7 @@ def profile_key(
         h.update(cfg.read_bytes() if cfg.is_file() else path.encode())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     h.update(f"{name}|{dtype}|{block_size}|{max_slots}|{torch.__version__}".encode())
+    h.update(f"|format {PROFILE_FORMAT}".encode())
     return h.hexdigest()[:16]
 
 
