@@ -37,6 +37,10 @@ class StepRecord:
     num_accepted: int = 0  # accepted drafts of all speculating requests of the round
     predicted_tokens: float = 0.0  # tokens the plan expected the round to emit
     reason: str = ""  # the policy's reason for the round's route
+    # per draft position j: the round's requests that drafted it, and that had it accepted
+    # (the depths the policy chose, and how far their chains survived)
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
 
 
 def mix(counts: dict[str, int]) -> dict[str, float]:
@@ -138,6 +142,8 @@ def drive_refill(engine, prompts: Sequence[list[int]], concurrency: int, params)
                 num_accepted=sum(rs.accepted_per_pos) if rs else 0,
                 predicted_tokens=rs.predicted_tokens if rs else 0.0,
                 reason=rs.reason if rs else "",
+                drafted_per_pos=list(rs.drafted_per_pos) if rs else [],
+                accepted_per_pos=list(rs.accepted_per_pos) if rs else [],
             )
         )
         for r in outputs:

@@ -306,6 +306,14 @@ def test_quick_runs_recompute_from_their_steps(quick_record):
         for st_ in steps:
             if st_.route and "P" not in st_.route:
                 assert st_.num_tokens == len(st_.route) + st_.num_accepted
+            # per draft position: the speculating requests that drafted it, fewer deeper
+            # down, and of them those accepted
+            drafted, accepted = st_.drafted_per_pos, st_.accepted_per_pos
+            assert len(drafted) == len(accepted) and sum(accepted) == st_.num_accepted
+            assert all(a <= d for a, d in zip(accepted, drafted))
+            assert drafted == sorted(drafted, reverse=True)
+            if drafted:
+                assert drafted[0] == st_.route.count("S")
         again = summarize_steps(steps, run["concurrency"], run["run_s"])
         keys = (
             "full_live_tok_s",
