@@ -104,28 +104,24 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
         kv_cache_memory="16MiB",
     )
     engine = Engine(cfg)
-    key = profiler.profile_key(
-        str(engine.target_dir),
-        engine.draft_spec,
-        engine.device,
-        engine.target.dtype,
-        cfg.block_size,
-        cfg.max_concurrency,
-    )
+
+    def key_of(engine) -> str:
+        return profiler.profile_key(
+            str(engine.target_dir),
+            engine.draft_spec,
+            engine.device,
+            engine.target.dtype,
+            cfg.block_size,
+            cfg.max_concurrency,
+        )
+
+    key = key_of(engine)
     cached = profiler.cached_profile_path(key)
     # a profile cached in an older format is not this key's
     current = profiler.PROFILE_FORMAT
     monkeypatch.setattr(profiler, "PROFILE_FORMAT", current - 1)
-    older = profiler.profile_key(
-        str(engine.target_dir),
-        engine.draft_spec,
-        engine.device,
-        engine.target.dtype,
-        cfg.block_size,
-        cfg.max_concurrency,
-    )
+    assert key_of(engine) != key
     monkeypatch.setattr(profiler, "PROFILE_FORMAT", current)
-    assert older != key
     cached.parent.mkdir(parents=True)
     cached.write_text(out.read_text())
     engine = Engine(cfg)
