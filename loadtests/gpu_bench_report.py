@@ -64,6 +64,8 @@ def summarize(runs: list[dict], sims: dict[tuple, dict]) -> list[dict]:
                 "route_mix_full_live": mean_mix([r["route_mix_full_live"] for r in rs]),
                 "route_mix": mean_mix([r["route_mix"] for r in rs]),
                 "mean_rows_full_live": _mean(r["mean_rows_full_live"] for r in rs),
+                "drafts_per_spec_full_live": _mean(r.get("drafts_per_spec_full_live") for r in rs),
+                "accepted_share_full_live": _mean(r.get("accepted_share_full_live") for r in rs),
                 "mean_accepted_len": _mean(r["mean_accepted_len"] for r in rs),
                 "pred_error": _mean(r["pred_error"] for r in rs),
                 "host_share_full_live": _mean(r["host_share_full_live"] for r in rs),
@@ -340,7 +342,14 @@ def _miss_lines(targets: dict, rows: list[dict]) -> list[str]:
     ]
     if not misses:
         return []
-    lines = ["", "### Where adaptive misses: round phases (ms per full-live step)", ""]
+    lines = [
+        "",
+        "### Where adaptive misses: round phases (ms per full-live step)",
+        "",
+        "Drafts / S: drafts per speculating request-round of the full-live steps (the depths "
+        "the policy chose); accepted: the share of those drafts accepted.",
+        "",
+    ]
     phase_names = ["build", "draft", "forward", "accept", "commit", "plan", "collect", "update"]
     headers = [
         "drafter",
@@ -353,6 +362,8 @@ def _miss_lines(targets: dict, rows: list[dict]) -> list[str]:
         "other",
         "rows",
         "S share",
+        "drafts / S",
+        "accepted",
     ]
     table = []
     for p in misses:
@@ -379,6 +390,8 @@ def _miss_lines(targets: dict, rows: list[dict]) -> list[str]:
                     f"{other:.2f}",
                     fmt(r["mean_rows_full_live"], 1),
                     f"{r['route_mix_full_live'].get('S', 0.0):.2f}",
+                    fmt(r.get("drafts_per_spec_full_live"), 2),
+                    fmt(r.get("accepted_share_full_live"), 2),
                 ]
             )
     return [*lines, _md_table(headers, table)]

@@ -80,6 +80,10 @@ def summarize_steps(steps: Sequence[StepRecord], concurrency: int, run_s: float)
             phases[name] = phases.get(name, 0.0) + sec
     busy = phases.get("forward", 0.0) + phases.get("draft", 0.0)
     num_tokens = sum(s.num_tokens for s in steps)
+    # full-live speculating request-rounds, their drafts and accepted drafts
+    spec_full = sum(s.drafted_per_pos[0] for s in full if s.drafted_per_pos)
+    drafts_full = sum(sum(s.drafted_per_pos) for s in full)
+    accepted_full = sum(sum(s.accepted_per_pos) for s in full)
     return {
         "num_tokens": num_tokens,
         "num_rounds": len(rounds),
@@ -92,6 +96,10 @@ def summarize_steps(steps: Sequence[StepRecord], concurrency: int, run_s: float)
         "route_mix": mix(letters),
         "route_mix_full_live": mix(letters_full),
         "mean_rows_full_live": sum(s.num_rows for s in full) / len(full) if full else None,
+        # drafts per speculating request-round in full-live steps (the depths the policy
+        # chose) and the share of them accepted
+        "drafts_per_spec_full_live": drafts_full / spec_full if spec_full else None,
+        "accepted_share_full_live": accepted_full / drafts_full if drafts_full else None,
         # tokens per speculating request-round (1 + accepted drafts), the simulator's measure
         "mean_accepted_len": (
             (letters["S"] + sum(s.num_accepted for s in rounds)) / letters["S"]

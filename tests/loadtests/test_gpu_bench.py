@@ -28,7 +28,8 @@ ACCEPTANCE = Path(__file__).resolve().parents[2] / "scheduler" / "profiles" / "a
 
 
 # -- one run's figures ------------------------------------------------------------------------
-def step(route, tokens, wall, rows=None, pred=0.0, meas=0.0, phases=None, accepted=0):
+def step(route, tokens, wall, rows=None, pred=0.0, meas=0.0, phases=None, accepted=0, per_pos=()):
+    """per_pos: (drafted, accepted) per draft position."""
     return StepRecord(
         route=route,
         num_rows=len(route) if rows is None else rows,
@@ -38,6 +39,8 @@ def step(route, tokens, wall, rows=None, pred=0.0, meas=0.0, phases=None, accept
         measured_s=meas,
         phase_s=phases or {},
         num_accepted=accepted,
+        drafted_per_pos=[d for d, _ in per_pos],
+        accepted_per_pos=[a for _, a in per_pos],
     )
 
 
@@ -45,7 +48,17 @@ def test_full_live_counts_only_rounds_with_every_slot_decoding():
     steps = [
         step("PP", 2, 0.50, rows=40),  # both prompts prefill: not full-live
         step("AA", 2, 0.01, pred=0.010, meas=0.008, phases={"forward": 0.006, "draft": 0.0}),
-        step("SA", 6, 0.03, 9, 0.020, 0.025, {"forward": 0.02, "draft": 0.004}, accepted=4),
+        step(
+            "SA",
+            6,
+            0.03,
+            9,
+            0.020,
+            0.025,
+            {"forward": 0.02, "draft": 0.004},
+            accepted=4,
+            per_pos=((1, 1), (1, 1), (1, 1), (1, 1), (1, 0), (1, 0), (1, 0)),
+        ),
         step("AP", 1, 0.20, rows=21),  # a successor prefills
         step("A", 1, 0.01),  # one request left: not all C slots
         step("", 0, 0.001),  # release-only step: no round
@@ -64,6 +77,9 @@ def test_full_live_counts_only_rounds_with_every_slot_decoding():
     assert s["phase_ms_full_live"]["forward"] == pytest.approx(13.0)
     assert s["step_ms_full_live"] == pytest.approx(20.0)
     assert s["mean_accepted_len"] == pytest.approx(5.0)  # one spec request-round, 4 accepted
+    # its depth: 7 drafts, 4 of them accepted
+    assert s["drafts_per_spec_full_live"] == pytest.approx(7.0)
+    assert s["accepted_share_full_live"] == pytest.approx(4 / 7)
 
 
 def test_a_step_that_only_launches_counts_towards_the_round_it_launched():
