@@ -144,6 +144,27 @@ class DecodeGraphs:
         self.memory_bytes += torch.cuda.memory_reserved(self.model.device) - before
         log.debug("captured graph for %d rows, %d blocks, %d rows/seq", bucket, width, max_q_len)
 
+    def replay(
+        self,
+        bucket: int,
+        input_ids: torch.Tensor,  # [num_rows] int64 on device
+        meta: AttnMetadata,  # the rows' attention metadata, on the device
+        max_q_len: int | None = None,  # rows per sequence to plan for (default meta's, or 1)
+    ) -> torch.Tensor:
+        """`run` on the rows `meta` describes."""
+        if max_q_len is None:
+            max_q_len = meta.max_q_len or 1
+        return self.run(
+            bucket,
+            input_ids,
+            meta.positions,
+            meta.slot_mapping,
+            meta.cu_q_lens,
+            meta.seq_lens,
+            meta.block_tables,
+            max_q_len=max_q_len,
+        )
+
     def run(
         self,
         bucket: int,

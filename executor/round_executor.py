@@ -476,16 +476,7 @@ class RoundExecutor:
 
         # 4. one target forward (graph replay for decode rounds)
         if bucket:
-            logits = self.graphs.run(
-                bucket,
-                dev["ids"],
-                meta.positions,
-                meta.slot_mapping,
-                meta.cu_q_lens,
-                meta.seq_lens,
-                meta.block_tables,
-                max_q_len=meta.max_q_len,
-            )
+            logits = self.graphs.replay(bucket, dev["ids"], meta)
         else:
             hidden = self.target.forward(dev["ids"], meta, self.kv.k, self.kv.v)  # [rows, hidden]
             if num_logit < num_rows:

@@ -424,7 +424,7 @@ class DraftModelDrafter:
             and max_q_len <= GRAPH_MAX_ROWS_PER_SEQ
         ):
             # [num_rows, vocab], a view of the graph's output: read before the next replay
-            logits = _replay(self.graphs, bucket, ids, meta, max_q_len)
+            logits = self.graphs.replay(bucket, ids, meta, max_q_len)
         else:
             logits = None
             hidden = self._wide_forward(ids, meta)
@@ -475,7 +475,7 @@ class DraftModelDrafter:
         bucket = bucket_for(len(ids), WIDE_BUCKETS)
         if self.wide_graphs is None or bucket == 0:
             return self.model.forward(ids, meta, self.kv.k, self.kv.v)
-        return _replay(self.wide_graphs, bucket, ids, meta, WIDE_ROWS_HINT)
+        return self.wide_graphs.replay(bucket, ids, meta, WIDE_ROWS_HINT)
 
     def _meta(self, slots: list[int], first_pos: list[int], num_rows: list[int]) -> AttnMetadata:
         """Attention metadata of `num_rows[s]` rows per sequence from position `first_pos[s]`."""
@@ -525,23 +525,6 @@ class DraftModelDrafter:
             point = torch.zeros_like(q).scatter_(1, tokens[:, None], 1.0)
             probs[prow + j] = torch.where(sampled[:, None], q, point)
         draft_tokens[req, j] = tokens
-
-
-def _replay(
-    graphs: DecodeGraphs, bucket: int, ids: torch.Tensor, meta: AttnMetadata, max_q_len: int
-) -> torch.Tensor:
-    """The graph set's output for the rows `meta` describes (a view: read it before the same
-    graph replays again)."""
-    return graphs.run(
-        bucket,
-        ids,
-        meta.positions,
-        meta.slot_mapping,
-        meta.cu_q_lens,
-        meta.seq_lens,
-        meta.block_tables,
-        max_q_len=max_q_len,
-    )
 
 
 class DeviceClock:
