@@ -685,7 +685,7 @@ def time_spec_round_ratio(
             price = cost.round_ms_scalar(
                 stats.num_rows, stats.num_kv_tokens, depth, k, num_draft_rows=int(sum(drafted))
             )
-            host = cost.round_spec_host_ms(stats.num_rows, 0, k, depth)
+            host = cost.round_spec_host_ms(stats.num_rows, 0, k, depth, int(sum(drafted)))
             if price > 0:
                 ratios.append((stats.measured_s * 1e3 + host) / price)
         if ratios and not any(p[0] == c for p in out):

@@ -510,11 +510,18 @@ class ProfileCost:
         return self._spec_host_list[min(max(num_seqs, 0), TABLE_ROWS - 1)]
 
     def round_spec_host_ms(
-        self, num_rows: int, num_prefill_rows: int, num_spec: int, draft_depth: int
+        self,
+        num_rows: int,
+        num_prefill_rows: int,
+        num_spec: int,
+        draft_depth: int,
+        num_draft_rows: int | None = None,
     ) -> float:
         """spec_host_ms of a speculating round given as round_ms_scalar takes it: its decoding
-        requests are its rows less prefill and draft rows (at least its speculating ones)."""
-        seqs = num_rows - num_prefill_rows - num_spec * draft_depth
+        requests are its rows less prefill and draft rows (`num_draft_rows`, default
+        num_spec x draft_depth; at least its speculating ones)."""
+        drafts = num_spec * draft_depth if num_draft_rows is None else num_draft_rows
+        seqs = num_rows - num_prefill_rows - drafts
         return self.spec_host_ms_scalar(max(seqs, num_spec))
 
     def attention_ms(self, num_kv_tokens):
@@ -549,10 +556,10 @@ class ProfileCost:
         else:
             first = self.chain_ms(num_spec, draft_depth)
             rest = self.catchup_extra_ms(num_spec, drafter_lag_rows)
-        seqs = np.asarray(num_rows) - num_prefill_rows - num_spec * draft_depth
+        drafts = num_spec * draft_depth if num_draft_rows is None else num_draft_rows
+        seqs = np.asarray(num_rows) - num_prefill_rows - drafts
         host = self.spec_host_ms(np.maximum(seqs, num_spec)) + self.propose_ms(num_spec)
         if self._excess is not None:
-            drafts = num_spec * draft_depth if num_draft_rows is None else num_draft_rows
             host = host + self.spec_excess_ms(num_spec, drafts)
         t = t + np.where(draft_depth > 0, first + rest + host, 0.0)
         if drafter_prefill and np.any(num_prefill_rows):
@@ -593,7 +600,9 @@ class ProfileCost:
             else:
                 t += self.chain_ms_scalar(num_spec, draft_depth)
                 t += self.catchup_extra_ms_scalar(num_spec, drafter_lag_rows)
-            host = self.round_spec_host_ms(num_rows, num_prefill_rows, num_spec, draft_depth)
+            host = self.round_spec_host_ms(
+                num_rows, num_prefill_rows, num_spec, draft_depth, num_draft_rows
+            )
             t += host
             t += self._propose_list[min(num_spec, TABLE_ROWS - 1)]
             if self._excess_list is not None:
@@ -782,7 +791,7 @@ class CostModel:
         target = p.prefill_target_ms(rows) if num_prefill_rows else p.padded_target_ms(rows)  # [R]
         fixed = target + (base_kv_tokens + extra) * p.kv_ms_per_token  # [R]
         if self.drafter_prefill and num_prefill_rows:
-            fixed = fixed + p._draft.scalar(num_prefill_rows)
+            fixed = fixed + p.follow_ms(num_prefill_rows)
         # the engine's host time by the round's decoding requests (round_ms infers them from
         # its rows: the same when every speculating request drafts the same depth)
         fixed = fixed + p.spec_host_ms_scalar(base_rows - num_prefill_rows)
@@ -816,7 +825,7 @@ class CostModel:
         target = p.prefill_target_ms(rows) if num_prefill_rows else p.padded_target_ms(rows)  # [R]
         fixed = target + (base_kv_tokens + extra) * p.kv_ms_per_token  # [R]
         if self.drafter_prefill and num_prefill_rows:
-            fixed = fixed + p._draft.scalar(num_prefill_rows)
+            fixed = fixed + p.follow_ms(num_prefill_rows)
         fixed = fixed + p.spec_host_ms_scalar(base_rows - num_prefill_rows)
         return self.correction(rows, True, num_prefill_rows > 0), fixed
 

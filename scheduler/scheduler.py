@@ -1035,6 +1035,7 @@ class Scheduler:
                         sum(q.num_new for q in plan.prefills),
                         int(np.count_nonzero(plan.decode.num_draft)),
                         plan.spec_depth - 1,
+                        int(plan.decode.num_draft.sum()),
                     )
                 self.cost_model.observe(
                     plan.num_rows, plan.spec_depth > 1, raw, measured_ms, bool(plan.prefills)

@@ -155,7 +155,7 @@ class SimExecutor:
             )
             if depth:
                 self.last_host_ms = self.profile.round_spec_host_ms(
-                    plan.num_rows, num_prefill_rows, num_spec, depth
+                    plan.num_rows, num_prefill_rows, num_spec, depth, int(num_draft.sum())
                 )
             if self.time_scale is not None:
                 ms *= self.time_scale(plan.num_rows, num_spec > 0)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from scheduler.cost_model import CALIB_PRIOR_COUNT, CostModel, ProfileCost
 from tests.scheduler.test_lifecycle_invariants import PROFILE, PROFILES
+from tests.scheduler.test_policy_check import MEASURED_1130
 
 
 def test_profile_points_and_padding():
@@ -103,6 +104,9 @@ def _scalar_predictions(model, base_rows, prefill, cells, with_draft_rows):
     ]
 
 
+PROFILE_1130 = ProfileCost(MEASURED_1130)
+
+
 # candidates of one planned round: (draft rows, depth, speculating requests, lag rows)
 PLANNER_CELLS = st.lists(
     st.tuples(st.integers(0, 900), st.integers(1, 7), st.integers(1, 200), st.integers(0, 400)),
@@ -113,20 +117,25 @@ PLANNER_CELLS = st.lists(
 
 @given(
     base_rows=st.integers(1, 3000),
-    prefill=st.sampled_from([0, 0, 300]),
+    prefill=st.sampled_from([0, 0, 100, 300]),
     cells=PLANNER_CELLS,
 )
 def test_planner_grid_matches_predict_ms(base_rows, prefill, cells):
-    model = CostModel(PROFILE, drafter_prefill=True)
-    rng = np.random.default_rng(1)
-    for rows in (64, 512, 2048):  # give some buckets a correction
-        raw = model.raw_ms_scalar(rows, 0)
-        model.observe(rows, True, raw, raw * rng.uniform(0.8, 1.2))
-    extra, depth, num_spec, lag = (np.array(v) for v in zip(*cells))
-    grid = model.predict_spec_grid(base_rows, 5000, extra, depth, num_spec, lag, prefill)
-    wants = _scalar_predictions(model, base_rows, prefill, cells, with_draft_rows=False)
-    for got, want in zip(grid, wants):
-        assert got == pytest.approx(want, rel=1e-9)
+    # (the 2026-11-30 profile measured prompt catch-ups: a following drafter's prefill forward
+    # is priced by them, not by its chain steps)
+    for profile in (PROFILE, PROFILE_1130):
+        model = CostModel(profile, drafter_prefill=True)
+        rng = np.random.default_rng(1)
+        for rows in (64, 512, 2048):  # give some buckets a correction
+            raw = model.raw_ms_scalar(rows, 0)
+            model.observe(rows, True, raw, raw * rng.uniform(0.8, 1.2))
+        extra, depth, num_spec, lag = (np.array(v) for v in zip(*cells))
+        grid = model.predict_spec_grid(base_rows, 5000, extra, depth, num_spec, lag, prefill)
+        # (the grid prices each candidate's own draft rows)
+        wants = _scalar_predictions(model, base_rows, prefill, cells, with_draft_rows=True)
+        for got, want, cell in zip(grid, wants, cells):
+            if cell[2] <= base_rows - prefill:  # (its speculating requests decode in the round)
+                assert got == pytest.approx(want, rel=1e-9)
 
 
 def test_single_point_profile_is_flat():
