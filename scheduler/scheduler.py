@@ -55,9 +55,10 @@ StopChecker = Callable[[int, Sequence[int]], "tuple[int, str] | None"]
 
 FOLLOW_MODES = ("off", "on", "auto")  # SchedulerConfig.drafter_follows_prefill
 # auto's answer is kept for prompts starting within this many rounds of it while the live batch
-# keeps its size: the question is one search of the depth planner over every live request
-# (1-3 ms of host time per round with prefill chunks at C = 64..128 on the H200 run of
-# 2026-11-30 08:55 UTC, where prompts start in nearly every such round).
+# keeps its size: the question is one search of the depth planner over every live request (on
+# the H200 at C = 64..128, 2026-11-30 08:55 UTC, adaptive's rounds with prefill chunks took
+# 1.2-2.0 ms of host time more than all-AR's, most likely the question, asked in nearly
+# every such round since prompts start in almost every one).
 FOLLOW_RECHECK_ROUNDS = 32
 
 _SPECULATION_CODE = {"off": 0, "auto": 1, "on": 2}
