@@ -23,6 +23,10 @@ extended):
 - `draft_model.propose_ms`: [k, d, ms] a whole proposal of d drafts (1, 3, 7 within the spec
   depth) for k speculating requests right after a verified round (step 0 catching up 1-2 rows
   per request), at the reference context: what the engine's draft phase costs;
+- `draft_model.kv_ms_per_token`: what a proposal costs more per draft and per token of its
+  request's context beyond `context_len` (the chain steps read every drafting request's draft
+  KV): the slope of `propose_ms` between the reference context and a longer one, so that the
+  cost model prices proposals at the contexts the batch really has;
 - `target.spec_round_ratio`: [k, ratio] full-depth speculating rounds of k requests as the
   engine runs them (`Engine.step`: the executor's round plus the profile's host time around
   it) over the price the terms above give them; the cost model scales speculating rounds by
@@ -56,8 +60,9 @@ from scheduler.plan import Mode, ReqPlan, RoundPlan, SamplingSpec, SeqSetup
 
 CACHE_DIR = Path.home() / ".cache" / "hipfire-serve" / "profiles"
 # Part of the cache key: raised when the profile gains a measurement the cost model prices by,
-# so that a profile cached before it is measured anew (2: `target.prefill_rows_ms`).
-PROFILE_FORMAT = 2
+# so that a profile cached before it is measured anew (2: `target.prefill_rows_ms`, 3:
+# `draft_model.kv_ms_per_token`).
+PROFILE_FORMAT = 3
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
 DEFAULT_KV_LENS = (16, 512, 2048)
 # Prefill chunks timed for the profile (`target.prefill_rows_ms`), up to the round's prefill
@@ -496,6 +501,47 @@ def time_draft_proposals(
     return out
 
 
+def draft_kv_slope(
+    model: Model,
+    counts: tuple[int, ...],
+    depth: int,
+    ref_len: int,
+    long_len: int,
+    repeats: int,
+    table_width: int = 0,
+    ref_bench: tuple | None = None,
+) -> dict:
+    """What a draft model's proposal costs more per draft and per context token: whole
+    proposals (`time_draft_proposals`) of `depth` drafts for k requests in `counts` at `ref_len`
+    and at `long_len` tokens of context; per k the slope (ms(long) - ms(ref)) / (k * depth *
+    (long_len - ref_len)), and their median (never below 0) as `kv_ms_per_token`. Each chain
+    step (and step 0) reads the whole draft KV of every drafting request, so a proposal grows
+    with the contexts; profiled at the reference context only, a batch at 8k tokens of context
+    was priced as one at 1k. -> {"kv_ms_per_token", "points": [[k, ms ref, ms long], ...]}"""
+    if long_len <= ref_len or not counts:
+        return {"kv_ms_per_token": 0.0, "points": []}
+    ref = time_draft_proposals(
+        model,
+        counts,
+        (depth,),
+        repeats,
+        context_len=ref_len,
+        table_width=table_width,
+        bench=ref_bench,
+    )
+    long = time_draft_proposals(
+        model, counts, (depth,), repeats, context_len=long_len, table_width=table_width
+    )
+    points, slopes = [], []
+    for (k, _, ms_ref), (_, _, ms_long) in zip(ref, long):
+        points.append([k, ms_ref, ms_long])
+        slopes.append((ms_long - ms_ref) / (k * depth * (long_len - ref_len)))
+    return {
+        "kv_ms_per_token": float(f"{max(statistics.median(slopes), 0.0):.4g}"),
+        "points": points,
+    }
+
+
 def time_host_drafter(
     drafter, rows: tuple[int, ...], repeats: int, context_len: int, vocab: int, depth: int = 8
 ) -> list[list[float]]:
@@ -733,6 +779,31 @@ def _host_points(max_slots: int) -> tuple[int, ...]:
     return tuple(sorted({c for c in (1, 8, 32, max_slots) if c <= max_slots}))
 
 
+# Contexts of the draft KV slope (`draft_kv_slope`): the reference and up to DRAFT_KV_SPAN times
+# it, where the model's context allows at least DRAFT_KV_MIN_SPAN times it (a shorter span
+# leaves the slope to noise); speculating request counts between these bounds (the largest two).
+DRAFT_KV_SPAN = 2.0
+DRAFT_KV_MIN_SPAN = 1.25
+DRAFT_KV_COUNTS = (4, 32)
+
+
+def _draft_kv_fields(model, spec_counts, spec_depth, ref, engine, repeats, ex, bench) -> dict:
+    """The profile's `draft_model.kv_ms_per_token` and its points (absent: no longer context
+    fits the model, or the draft depth is 1)."""
+    long_len = min(int(ref * DRAFT_KV_SPAN), engine.max_model_len - spec_depth - 2)
+    lo, hi = DRAFT_KV_COUNTS
+    counts = tuple(k for k in spec_counts if lo <= k <= hi)[-2:]
+    depth = spec_depth - 1
+    if long_len < ref * DRAFT_KV_MIN_SPAN or not counts or depth < 1:
+        return {}
+    fit = draft_kv_slope(model, counts, depth, ref, long_len, repeats, ex.max_blocks_per_seq, bench)
+    return {
+        "kv_ms_per_token": fit["kv_ms_per_token"],
+        "kv_points": fit["points"],
+        "kv_long_context_len": long_len,
+    }
+
+
 def build_profile(
     engine,
     rows=DEFAULT_ROWS,
@@ -919,6 +990,10 @@ def build_profile(
                 catchup_profile_rows(engine.max_model_len),
                 max(1, repeats // 2),
                 rows_per_req=CATCHUP_PROMPT_ROWS,
+            ),
+            # proposals at longer contexts: the draft KV every step reads
+            **_draft_kv_fields(
+                draft_model, spec_counts, spec_depth, ref, engine, spec_repeats, ex, bench
             ),
             # a graphed drafter catches up in passes (DraftModelDrafter._step0)
             **(

@@ -29,6 +29,12 @@ Speculating rounds as served (profiles that have the tables; older ones keep the
   step curve past the largest count), non-decreasing in both. A catch-up of `drafter_lag_rows`
   (rounds the drafter missed) keeps its pass pricing on top: first_step(k, lag) -
   first_step(k, 0).
+- `draft_model.kv_ms_per_token` (ms per draft and per token of context past the proposals'
+  `context_len`) prices the draft KV every step reads: D drafts of a batch whose decoding
+  requests hold T tokens of KV (n requests) cost D * rate * (T / n - context_len) on top
+  (`draft_kv_ms`; less below the reference context). Without it a proposal for 16 requests at
+  16k tokens of context each was priced as at 1k, and the planner took more drafts there than
+  at 1k (more of the round is the target's KV read, which drafts do not add to).
 - `target.spec_round_ratio` ([k, ratio]: full-depth speculating rounds of k requests as the
   engine ran them at profiling time, over the price of the terms above) scales a speculating
   round's whole price, by its speculating requests (flat outside the measured counts; absent:
@@ -215,6 +221,10 @@ class ProfileCost:
         else:
             self.draft_rows = np.array([1.0, 2.0])
             self.draft_ms_points = np.zeros(2)
+        # proposals beyond the reference context: ms per draft per token of its request's
+        # context past `context_len` (absent in older profiles: proposals priced at that context)
+        self.draft_kv_ms_per_token = float((draft or {}).get("kv_ms_per_token") or 0.0)
+        self.draft_context_len = float((draft or {}).get("context_len") or 0.0)
         # catch-up in passes (absent: one forward of all rows, whatever their number)
         self.catchup_rows_per_pass = int((draft or {}).get("catchup_rows_per_pass") or 0)
         self.max_catchup_passes = int((draft or {}).get("max_catchup_passes") or 1)
@@ -524,6 +534,29 @@ class ProfileCost:
         seqs = num_rows - num_prefill_rows - drafts
         return self.spec_host_ms_scalar(max(seqs, num_spec))
 
+    def draft_kv_ms(self, num_draft_rows, decode_kv_tokens, num_decoding):
+        """What `num_draft_rows` drafts cost beyond their proposal's price at the profile's
+        reference context, for decoding requests of `decode_kv_tokens` tokens of KV in all
+        (`num_decoding` of them): each draft's step reads its request's draft KV, priced at the
+        batch's mean context (`draft_model.kv_ms_per_token`; 0 without it). Negative below the
+        reference context. Scalars or arrays."""
+        if not self.draft_kv_ms_per_token:
+            return np.zeros(np.broadcast(np.asarray(num_draft_rows), decode_kv_tokens).shape)
+        context = np.asarray(decode_kv_tokens, dtype=np.float64) / np.maximum(num_decoding, 1)
+        return (
+            self.draft_kv_ms_per_token
+            * np.asarray(num_draft_rows)
+            * (context - self.draft_context_len)
+        )
+
+    def draft_kv_ms_scalar(
+        self, num_draft_rows: int, decode_kv_tokens: int, num_decoding: int
+    ) -> float:
+        if not self.draft_kv_ms_per_token:
+            return 0.0
+        context = decode_kv_tokens / max(num_decoding, 1)
+        return self.draft_kv_ms_per_token * num_draft_rows * (context - self.draft_context_len)
+
     def attention_ms(self, num_kv_tokens):
         return np.asarray(num_kv_tokens) * self.kv_ms_per_token
 
@@ -561,6 +594,8 @@ class ProfileCost:
         host = self.spec_host_ms(np.maximum(seqs, num_spec)) + self.propose_ms(num_spec)
         if self._excess is not None:
             host = host + self.spec_excess_ms(num_spec, drafts)
+        decode_kv = np.maximum(np.asarray(num_kv_tokens) - drafts - num_prefill_rows, 0)
+        host = host + self.draft_kv_ms(drafts, decode_kv, seqs)
         t = t + np.where(draft_depth > 0, first + rest + host, 0.0)
         if drafter_prefill and np.any(num_prefill_rows):
             # (one wide forward of the draft model over the chunks: the catch-up curve)
@@ -605,9 +640,13 @@ class ProfileCost:
             )
             t += host
             t += self._propose_list[min(num_spec, TABLE_ROWS - 1)]
+            drafts = num_spec * draft_depth if num_draft_rows is None else num_draft_rows
             if self._excess_list is not None:
-                drafts = num_spec * draft_depth if num_draft_rows is None else num_draft_rows
                 t += self.spec_excess_ms_scalar(num_spec, drafts)
+            if self.draft_kv_ms_per_token:
+                seqs = num_rows - num_prefill_rows - drafts
+                decode_kv = max(num_kv_tokens - drafts - num_prefill_rows, 0)
+                t += self.draft_kv_ms_scalar(drafts, decode_kv, seqs)
         if drafter_prefill and num_prefill_rows:
             t += self._eager.scalar(num_prefill_rows)
         if draft_depth > 0:
@@ -789,12 +828,7 @@ class CostModel:
         extra = np.arange(int(extra_rows.max()) + 1)  # [R]
         rows = base_rows + extra
         target = p.prefill_target_ms(rows) if num_prefill_rows else p.padded_target_ms(rows)  # [R]
-        fixed = target + (base_kv_tokens + extra) * p.kv_ms_per_token  # [R]
-        if self.drafter_prefill and num_prefill_rows:
-            fixed = fixed + p.follow_ms(num_prefill_rows)
-        # the engine's host time by the round's decoding requests (round_ms infers them from
-        # its rows: the same when every speculating request drafts the same depth)
-        fixed = fixed + p.spec_host_ms_scalar(base_rows - num_prefill_rows)
+        fixed = self._spec_fixed(target, base_rows, base_kv_tokens, extra, num_prefill_rows)
         corr = self.correction(rows, True, num_prefill_rows > 0)  # [R]
         num_spec = np.asarray(num_spec)
         lag_rows = np.asarray(lag_rows)
@@ -823,11 +857,23 @@ class CostModel:
         extra = np.arange(max_extra_rows + 1)  # [R]
         rows = base_rows + extra
         target = p.prefill_target_ms(rows) if num_prefill_rows else p.padded_target_ms(rows)  # [R]
-        fixed = target + (base_kv_tokens + extra) * p.kv_ms_per_token  # [R]
+        fixed = self._spec_fixed(target, base_rows, base_kv_tokens, extra, num_prefill_rows)
+        return self.correction(rows, True, num_prefill_rows > 0), fixed
+
+    def _spec_fixed(self, target, base_rows, base_kv_tokens, extra, num_prefill_rows):
+        """[R] what a speculating candidate of `extra` [R] draft rows pays besides its spec
+        terms: the target at its rows (`target` [R]), the KV term, a following drafter's
+        prefill forward, the engine's host time by the round's decoding requests (round_ms
+        infers them from its rows: the same when every speculating request drafts the same
+        depth) and the drafts' reads of the draft KV past the reference context."""
+        p = self.profile
+        fixed = target + (base_kv_tokens + extra) * p.kv_ms_per_token
         if self.drafter_prefill and num_prefill_rows:
             fixed = fixed + p.follow_ms(num_prefill_rows)
-        fixed = fixed + p.spec_host_ms_scalar(base_rows - num_prefill_rows)
-        return self.correction(rows, True, num_prefill_rows > 0), fixed
+        num_decoding = base_rows - num_prefill_rows
+        fixed = fixed + p.spec_host_ms_scalar(num_decoding)
+        decode_kv = max(base_kv_tokens - num_prefill_rows, 0)
+        return fixed + p.draft_kv_ms(extra, decode_kv, num_decoding)
 
     def observe(
         self,

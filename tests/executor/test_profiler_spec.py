@@ -68,6 +68,37 @@ def test_build_profile_measures_speculating_shapes(tmp_path):
     assert [(k, d) for k, d, _ in propose] == [(k, d) for k in (1, 2, 4) for d in (1, 3)]
     assert all(ms > 0 for _, _, ms in propose)
     assert ProfileCost(prof).has_spec_tables
+    # proposals at twice the reference context (48 -> 96 tokens), at the 4 requests of the
+    # counts profiled for it: their slope per draft and context token, never below 0
+    d = prof["draft_model"]
+    assert d["kv_long_context_len"] == 96
+    [[k, ms_ref, ms_long]] = d["kv_points"]
+    assert k == 4 and ms_ref > 0 and ms_long > 0
+    slope = (ms_long - ms_ref) / (4 * 3 * (96 - 48))
+    assert d["kv_ms_per_token"] == pytest.approx(max(slope, 0.0), rel=1e-3, abs=1e-12)
+
+
+def test_the_draft_kv_slope_is_the_proposals_growth_per_draft_and_context_token(monkeypatch):
+    """With proposal times from a formula, the slope is the formula's: per draft and per token
+    of context, the median over the request counts; a proposal that gets cheaper with context
+    (noise) gives 0."""
+    from executor import profiler
+
+    def fake(model, counts, drafts, repeats, graphs=True, context_len=16, **_):
+        return [[k, d, 2.0 + 0.5 * k + 3e-5 * k * d * context_len] for k in counts for d in drafts]
+
+    monkeypatch.setattr(profiler, "time_draft_proposals", fake)
+    fit = profiler.draft_kv_slope(None, (8, 16), 7, 1024, 2048, repeats=1)
+    assert fit["kv_ms_per_token"] == pytest.approx(3e-5)
+    assert [p[0] for p in fit["points"]] == [8, 16]
+
+    def cheaper(model, counts, drafts, repeats, graphs=True, context_len=16, **_):
+        return [[k, d, 10.0 - context_len * 1e-4] for k in counts for d in drafts]
+
+    monkeypatch.setattr(profiler, "time_draft_proposals", cheaper)
+    assert profiler.draft_kv_slope(None, (8,), 7, 1024, 2048, repeats=1)["kv_ms_per_token"] == 0
+    # no longer context: no slope measured
+    assert profiler.draft_kv_slope(None, (8,), 7, 1024, 1024, repeats=1)["points"] == []
 
 
 def test_spec_rows_take_the_same_subtraction_as_rows_ms(tmp_path, monkeypatch):

@@ -50,7 +50,8 @@ def test_kv_and_drafter_terms():
 )
 def test_scalar_and_array_paths_agree(rows, kv, depth, num_spec, lag, prefill):
     num_spec = num_spec if depth else 0
-    for profile in (PROFILE, PREFILL_PROFILE):  # (the second prices prefill rounds apart)
+    # (the second prices prefill rounds apart, the third proposals by their contexts)
+    for profile in (PROFILE, PREFILL_PROFILE, PROFILE_1130_KV):
         a = float(profile.round_ms(rows, kv, depth, num_spec, lag, prefill, True))
         b = profile.round_ms_scalar(rows, kv, depth, num_spec, lag, prefill, True)
         assert a == pytest.approx(b, rel=1e-9)
@@ -105,6 +106,17 @@ def _scalar_predictions(model, base_rows, prefill, cells, with_draft_rows):
 
 
 PROFILE_1130 = ProfileCost(MEASURED_1130)
+# proposals read the draft KV: 3e-5 ms per draft and context token (a 0.6B-shaped draft model
+# on an H200: 28 layers x 8 KV heads x 128 x 2 x 2 bytes per token at ~4 TB/s)
+DRAFT_KV_RATE = 3e-5
+
+
+def with_draft_kv(raw: dict, rate: float = DRAFT_KV_RATE) -> dict:
+    """`raw` with `draft_model.kv_ms_per_token` = rate (its context_len kept)."""
+    return {**raw, "draft_model": {**raw["draft_model"], "kv_ms_per_token": rate}}
+
+
+PROFILE_1130_KV = ProfileCost(with_draft_kv(MEASURED_1130))
 
 
 # candidates of one planned round: (draft rows, depth, speculating requests, lag rows)
@@ -123,7 +135,7 @@ PLANNER_CELLS = st.lists(
 def test_planner_grid_matches_predict_ms(base_rows, prefill, cells):
     # (the 2026-11-30 profile measured prompt catch-ups: a following drafter's prefill forward
     # is priced by them, not by its chain steps)
-    for profile in (PROFILE, PROFILE_1130):
+    for profile in (PROFILE, PROFILE_1130, PROFILE_1130_KV):
         model = CostModel(profile, drafter_prefill=True)
         rng = np.random.default_rng(1)
         for rows in (64, 512, 2048):  # give some buckets a correction
@@ -463,6 +475,63 @@ def test_the_planner_does_not_speculate_when_the_lookup_costs_more_than_it_gains
     assert choices["cheap"] > 0 and choices["dear"] == 0
 
 
+def test_proposals_are_priced_at_the_batchs_context():
+    """A speculating round's drafts read their requests' draft KV: past the proposal's
+    reference context each draft costs kv_ms_per_token per token of the batch's mean context
+    more (less below it); without the rate the drafter's price ignores the context."""
+    ref = MEASURED_1130["draft_model"]["context_len"]
+    k, drafts = 16, 7
+
+    def spec_round(profile, context):  # 16 requests drafting 7 each, contexts of `context`
+        rows = k * (1 + drafts)
+        kv = k * context + rows
+        return profile.round_ms_scalar(rows, kv, drafts, k, num_draft_rows=k * drafts)
+
+    def target_kv(context):  # the target's own KV term, on both profiles
+        return k * context * PROFILE_1130.kv_ms_per_token
+
+    for context in (256, 4096, 16384):
+        grown = spec_round(PROFILE_1130_KV, context) - spec_round(PROFILE_1130_KV, ref)
+        plain = spec_round(PROFILE_1130, context) - spec_round(PROFILE_1130, ref)
+        assert plain == pytest.approx(target_kv(context) - target_kv(ref), rel=1e-9)
+        ratio = PROFILE_1130.spec_ratio_scalar(k)
+        drafter = DRAFT_KV_RATE * k * drafts * (context - ref) * ratio
+        assert grown - plain == pytest.approx(drafter, rel=1e-9)
+    # an AR round does not draft
+    assert PROFILE_1130_KV.round_ms_scalar(16, 16 * 4096) == PROFILE_1130.round_ms_scalar(
+        16, 16 * 4096
+    )
+
+
+def test_the_planner_drafts_less_where_long_contexts_make_proposals_dear():
+    from scheduler.depth_planner import plan_depths
+
+    n = 16
+    survival = np.cumprod(np.full((n, 7), 0.8), axis=1)  # [n, D]
+
+    def drafts(profile, context):
+        choice = plan_depths(
+            survival,
+            survival.copy(),
+            np.ones(n),
+            np.zeros(n),
+            CostModel(profile),
+            n,
+            n * (context + 1),
+            float(n),
+            0,
+        )
+        return int(choice.num_draft.sum())
+
+    ref = MEASURED_1130["draft_model"]["context_len"]
+    at_ref = drafts(PROFILE_1130_KV, ref)
+    assert at_ref == drafts(PROFILE_1130, ref) > 0  # at the reference context: the same
+    # at 16k tokens each of 16 requests' drafts read 4 GB of draft KV more than at 1k (~1 ms
+    # per draft); priced at the reference context, the plan would not change
+    assert drafts(PROFILE_1130, 16384) >= at_ref
+    assert drafts(PROFILE_1130_KV, 16384) < at_ref
+
+
 # -- speculating rounds as served: spec_rows_ms and propose_ms -------------------------------
 SPEC_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -509,6 +578,7 @@ TABLES = ProfileCost(_with_spec_tables(_raw_profile()))
 _NOISY_RAW = _with_spec_tables(_raw_profile(), noise=0.2)
 _NOISY_RAW["target"]["spec_round_ratio"] = [[1, 1.1], [8, 1.25], [64, 1.4]]
 NOISY = ProfileCost(_NOISY_RAW)
+NOISY_KV = ProfileCost(with_draft_kv(_NOISY_RAW))
 
 
 def test_a_profiled_speculating_round_costs_its_measurements():
@@ -596,20 +666,23 @@ def test_spec_tables_price_alike_on_every_path(
     cells=PLANNER_CELLS,
 )
 def test_planner_terms_with_spec_tables_match_predict_ms(base_rows, prefill, cells):
-    model = CostModel(NOISY, drafter_prefill=True)
-    for rows in (64, 512):  # give some buckets a correction
-        raw = model.raw_ms_scalar(rows, 0, 3, 8)
-        model.observe(rows, True, raw, raw * 1.1)
-    extra, depth, num_spec, lag = (np.array(v) for v in zip(*cells))
-    grid = model.predict_spec_grid(base_rows, 5000, extra, depth, num_spec, lag, prefill)
-    corr, fixed = model.spec_row_terms(base_rows, 5000, int(extra.max()), prefill)
-    terms = NOISY.spec_terms_ms(num_spec, extra, depth) + NOISY.catchup_extra_ms(num_spec, lag)
-    wants = _scalar_predictions(model, base_rows, prefill, cells, with_draft_rows=True)
-    for i, want in enumerate(wants):
-        assert grid[i] == pytest.approx(want, rel=1e-9)
-        ratio = NOISY.spec_ratio_scalar(int(num_spec[i]))
-        planner = corr[extra[i]] * (fixed[extra[i]] + terms[i]) * ratio
-        assert planner == pytest.approx(want, rel=1e-9)
+    for prof in (NOISY, NOISY_KV):
+        model = CostModel(prof, drafter_prefill=True)
+        for rows in (64, 512):  # give some buckets a correction
+            raw = model.raw_ms_scalar(rows, 0, 3, 8)
+            model.observe(rows, True, raw, raw * 1.1)
+        extra, depth, num_spec, lag = (np.array(v) for v in zip(*cells))
+        grid = model.predict_spec_grid(base_rows, 5000, extra, depth, num_spec, lag, prefill)
+        corr, fixed = model.spec_row_terms(base_rows, 5000, int(extra.max()), prefill)
+        terms = prof.spec_terms_ms(num_spec, extra, depth) + prof.catchup_extra_ms(num_spec, lag)
+        wants = _scalar_predictions(model, base_rows, prefill, cells, with_draft_rows=True)
+        for i, want in enumerate(wants):
+            if num_spec[i] > base_rows - prefill:  # (its speculating requests decode in it)
+                continue
+            assert grid[i] == pytest.approx(want, rel=1e-9)
+            ratio = prof.spec_ratio_scalar(int(num_spec[i]))
+            planner = corr[extra[i]] * (fixed[extra[i]] + terms[i]) * ratio
+            assert planner == pytest.approx(want, rel=1e-9)
 
 
 @given(
