@@ -42,9 +42,11 @@ class AskedPolicy(AdaptivePolicy):
         return self.answer
 
 
-def scheduler(mode: str, policy=None, max_prefill_tokens: int = 8, spec_mode="adaptive"):
+def scheduler(
+    mode: str, policy=None, max_prefill_tokens: int = 8, spec_mode="adaptive", max_concurrency=3
+):
     cfg = SchedulerConfig(
-        max_concurrency=3,
+        max_concurrency=max_concurrency,
         block_size=4,
         spec_depth=4,
         spec_mode=spec_mode,
@@ -191,3 +193,26 @@ def test_auto_keeps_its_answer_for_prompts_starting_soon_after_in_a_batch_of_one
     assert asked == starts > 3  # every round where a prompt starts asks
     asked_kept, starts_kept = run(1000)
     assert starts_kept == starts and 0 < asked_kept < asked
+
+
+def test_auto_keeps_its_answer_while_a_refilled_batch_stays_near_its_size(monkeypatch):
+    """A batch of 16 refilled as its requests finish moves by a request or two between
+    starts; within 1/FOLLOW_SIZE_TOLERANCE of the size it was asked at, the answer is kept
+    (asked exactly, the refill asked again at nearly every start)."""
+    from scheduler import scheduler as scheduler_module
+
+    def asks(tolerance: int) -> int:
+        monkeypatch.setattr(scheduler_module, "FOLLOW_SIZE_TOLERANCE", tolerance)
+        policy = AskedPolicy(True)
+        sched = scheduler("auto", policy, max_prefill_tokens=32, max_concurrency=16)
+        ex = SimExecutor(PROFILE, COHORTS["code"], 16, seed=0)
+        for i in range(64):  # (lengths vary: requests finish one or two at a time)
+            sched.add_request(spec(i, 4, max_tokens=3 + i % 7))
+        while sched.has_work():
+            plan = sched.plan(0.0)
+            assert plan.follow_prefill or not plan.prefills
+            sched.update(ex.run(plan), 0.0)
+        return policy.asked
+
+    exact = asks(10**9)  # (16 // 10**9 = 0: the size must match exactly)
+    assert 0 < asks(8) < exact
