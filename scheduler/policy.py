@@ -45,6 +45,17 @@ CATCHUP_HORIZON_ROUNDS = 512.0
 # size (AdaptivePolicy.probe_can_pay: one more search, so not every round while the evidence
 # is stale).
 PROBE_RECHECK_ROUNDS = 64
+# A probe drafts as deep as its request's survival stays at or above this (at least 1 draft;
+# from the configured prior of 0.7: 2). Probes of one first position tell the prior about first
+# positions only, and on code-like text it is the deep positions that pay: in the simulator
+# (the H200 profile of 2026-11-30 10:19 UTC, 12 seeds) adaptive at code-like C = 16 never left
+# AR in 4 of 12 runs with one-draft probes (0.927x the better fixed policy) and in 2 of 12 at
+# 0.5 (0.948x); 0.4 did as well (0.954x) but put prose-like C = 16 at 0.978x in the one-seed
+# check on the older measured profile (tests/scheduler/test_policy_check.py); 0.55 and 0.6 (one
+# draft until a probe was accepted) stayed in AR in 5 and 6 of 12. Elsewhere at C = 1..16
+# within +-0.5% but mixed C = 2 (1.087x -> 1.075x); refill at C = 64 0.2-0.4% lower (the
+# fill's probes are deeper).
+PROBE_DEPTH_SURVIVAL = 0.5
 # Entry margin: a plan in which nobody speculated last round and whose entrants must catch their
 # drafters up is taken only at a predicted gain of at least ENTRY_MARGIN x the entrants' share
 # of the batch. Such an entry is priced with its catch-up spread over the SPEC rounds the
@@ -524,7 +535,7 @@ class AdaptivePolicy:
                 can_pay = self.probe_can_pay(view, estimator, cost_model, basis, catchup)
                 check[:] = [0, n, can_pay]
             if check[2]:
-                num_draft, probe = self.probe(view, may_probe), " probe"
+                num_draft, probe = self.probe(view, may_probe, survival), " probe"
                 self._probe_req_id = int(view.req_ids[np.flatnonzero(num_draft)[0]])
         self.stretches.observe(view, num_draft)
         num_spec = int(np.count_nonzero(num_draft))
@@ -583,19 +594,27 @@ class AdaptivePolicy:
         return bool(choice.num_draft.any())
 
     @staticmethod
-    def probe(view: DecodeView, eligible: np.ndarray) -> np.ndarray:
+    def probe(
+        view: DecodeView, eligible: np.ndarray, survival: np.ndarray | None = None
+    ) -> np.ndarray:
         """[n] one draft for the eligible request whose drafter is the cheapest to catch up
         (least lag; the one with the most tokens left among equals), nothing if none is.
 
         Asked while the estimator's prior rests on too little recent evidence and the planner
         speculated nobody: the prior is learned from drafted positions only, so without a
-        probe a drafter better than the prior would never be found out. One first position per
-        round is the cheapest observation the prior learns from (its first positions); the
-        request's own belief then decides whether it goes on."""
+        probe a drafter better than the prior would never be found out. The probe drafts as
+        deep as the request's `survival` [n, D] stays at or above PROBE_DEPTH_SURVIVAL (one
+        draft without it): one first position is the cheapest observation the prior learns from
+        (its first positions), the deeper ones are what the per-position calibration learns
+        from, and where chains tend to survive they are what speculation earns; the request's
+        own belief then decides whether it goes on."""
         num_draft = np.zeros(len(view.req_ids), dtype=np.int64)
         candidates = np.flatnonzero(eligible)
         if len(candidates):
             lag = view.drafter_lag[candidates]
             best = candidates[np.lexsort((-view.num_remaining[candidates], lag))[0]]
-            num_draft[best] = 1
+            depth = 1
+            if survival is not None:
+                depth = max(1, int(np.count_nonzero(survival[best] >= PROBE_DEPTH_SURVIVAL)))
+            num_draft[best] = depth
         return num_draft

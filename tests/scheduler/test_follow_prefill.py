@@ -180,7 +180,7 @@ def test_auto_keeps_its_answer_for_prompts_starting_soon_after_in_a_batch_of_one
         sched = scheduler("auto", policy, max_prefill_tokens=64)
         ex = SimExecutor(PROFILE, COHORTS["code"], 3, seed=0)
         for i in range(12):  # (finishing at different rounds: starts in a full batch too)
-            sched.add_request(spec(i, 4, max_tokens=3 + i % 4))
+            sched.add_request(spec(i, 4, max_tokens=3 + i % 3))
         starts = 0
         while sched.has_work():
             plan = sched.plan(0.0)

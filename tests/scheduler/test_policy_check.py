@@ -16,6 +16,7 @@ from scheduler.cost_model import CostModel, ProfileCost
 from scheduler.depth_planner import plan_depths
 from scheduler.policy import (
     CATCHUP_HORIZON_ROUNDS,
+    PROBE_DEPTH_SURVIVAL,
     AdaptivePolicy,
     DecodeView,
     amortized_catchup_ms,
@@ -276,6 +277,34 @@ def test_probe_only_while_the_prior_lacks_evidence():
     for _ in range(3000):  # a long stretch without drafting: the evidence goes stale
         est.decay()
     assert est.needs_probe()
+
+
+def test_a_probe_drafts_as_deep_as_its_request_is_likely_to_survive():
+    """One first position tells the prior nothing about the deep positions that pay on
+    code-like text: a probe drafts while its request's survival stays >= PROBE_DEPTH_SURVIVAL,
+    at least one draft."""
+    view = decode_view(3)
+    survival = np.array(
+        [
+            [0.9, 0.8, 0.6, 0.45, 0.3, 0.2, 0.1],
+            [0.45, 0.2, 0.1, 0.05, 0.02, 0.01, 0.0],
+            [0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93],
+        ]
+    )
+    for eligible, depth in ((0, 3), (1, 1), (2, 7)):
+        mask = np.arange(3) == eligible
+        got = AdaptivePolicy.probe(view, mask, survival)
+        assert got.tolist() == [depth if i == eligible else 0 for i in range(3)]
+    assert AdaptivePolicy.probe(view, np.arange(3) == 2).tolist() == [0, 0, 1]
+    assert PROBE_DEPTH_SURVIVAL == 0.5  # (the depths above)
+    # in a decision: the configured prior's survival (0.72, 0.55, 0.43, ...) probes 2 deep
+    est = AcceptanceEstimator(num_slots=4, max_drafts=7, prior_acceptance=0.7)
+    lagging = decode_view(4, lag=1000, rate_bar=1.0)
+    lag = np.array([900, 40, 40, 1200], dtype=np.int64)
+    remaining = np.array([100, 50, 90, 100])
+    lagging = DecodeView(**{**lagging.__dict__, "drafter_lag": lag, "num_remaining": remaining})
+    probe = AdaptivePolicy().decide(lagging, est, MODEL)
+    assert probe.num_draft.tolist() == [0, 0, 2, 0] and "probe" in probe.reason
 
 
 def test_calibration_scales_positions_by_realized_over_predicted():
