@@ -59,6 +59,14 @@ MAX_ACCEPTANCE = 0.995
 CALIB_WINDOW = 400.0
 CALIB_PSEUDO = 20.0
 CALIB_RANGE = (0.5, 2.0)
+# A probe's drafted positions (AdaptivePolicy.probe) count this many times in the calibration
+# sums: a probe is made while the prior rests on little evidence, and its few positions are
+# then the only ones; counted once, the pseudo-observations outweighed them, and a batch left
+# in AR on the prior's deep positions stayed there (code-like text at C = 16). In the simulator
+# (the H200 profile of 2026-11-30 10:19 UTC, its three variants, 6 seeds, C = 1..32): 6 points
+# below 0.98 at 1 (worst 0.927, geometric mean 1.0071), 9 at 4, 6 at 10 (worst 0.953, 1.0094),
+# 8 at 20; refill at C = 64 unchanged.
+PROBE_CALIB_WEIGHT = 10.0
 # Recent evidence: request-rounds observed, decayed per round by RECENT_DECAY (half-life ~700
 # rounds, a few seconds of serving). While it is below PROBE_OBSERVATIONS the prior rests on
 # little data (at start-up, or after a long stretch of AR), and a policy that only speculates
@@ -160,13 +168,19 @@ class AcceptanceEstimator:
         self.belief *= 1.0 - SWITCH
         self.belief += SWITCH * self.prior
 
-    def observe(self, slots: np.ndarray, num_drafted: np.ndarray, num_accepted: np.ndarray):
+    def observe(
+        self,
+        slots: np.ndarray,
+        num_drafted: np.ndarray,
+        num_accepted: np.ndarray,
+        calib_weight: float = 1.0,
+    ):
         """Chain outcomes of one round for the given slots (arrays of equal length)."""
         if len(slots) == 0:
             return
         self._version += 1
         b = self.belief[slots]  # [n, L]
-        self._calibrate(b, num_drafted, num_accepted)
+        self._calibrate(b, num_drafted, num_accepted, calib_weight)
         # The global prior learns from first positions only: they are observed on every
         # speculating request, while deeper ones only on chains that survived so far. Fed with
         # whole chains, the prior drifted below the observed first-position acceptance in the
@@ -190,7 +204,13 @@ class AcceptanceEstimator:
         self._survival_matrix = None
         self._calibrated = None
 
-    def _calibrate(self, belief: np.ndarray, num_drafted: np.ndarray, num_accepted: np.ndarray):
+    def _calibrate(
+        self,
+        belief: np.ndarray,
+        num_drafted: np.ndarray,
+        num_accepted: np.ndarray,
+        weight: float = 1.0,
+    ):
         """Adds one round's drafted positions to the calibration sums ([n, L] beliefs before
         the round's outcomes)."""
         d = self.max_drafts
@@ -198,7 +218,7 @@ class AcceptanceEstimator:
         drafted = depth < num_drafted[:, None]  # [n, D]
         predicted = (belief @ self.survival_matrix()) * drafted  # [n, D] uncalibrated
         realized = (depth < num_accepted[:, None]) & drafted  # [n, D]
-        keep = np.exp(-drafted.sum(0) / CALIB_WINDOW)  # [D]
-        self._calib_pred = self._calib_pred * keep + predicted.sum(0)
-        self._calib_real = self._calib_real * keep + realized.sum(0)
+        keep = np.exp(-weight * drafted.sum(0) / CALIB_WINDOW)  # [D]
+        self._calib_pred = self._calib_pred * keep + weight * predicted.sum(0)
+        self._calib_real = self._calib_real * keep + weight * realized.sum(0)
         self._calibrated = None

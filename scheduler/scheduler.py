@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 import numpy as np
 
-from scheduler.acceptance import AcceptanceEstimator
+from scheduler.acceptance import PROBE_CALIB_WEIGHT, AcceptanceEstimator
 from scheduler.cost_model import CostModel, ProfileCost
 from scheduler.kv_blocks import BlockPool, num_blocks_for
 from scheduler.plan import DecodeRows, Mode, ReqPlan, RoundPlan, RoundResult, SeqSetup
@@ -41,6 +41,7 @@ from scheduler.policy import (
     RateTracker,
     SpecPolicy,
     YieldTracker,
+    is_probe,
 )
 from scheduler.request import (
     SPECULATION_CHOICES,
@@ -1075,7 +1076,7 @@ class Scheduler:
         tokens = out.token_ids.tolist()
         cols = _DeltaColumns()
         if n:
-            self._apply_decode(dec, out, tokens, cols)
+            self._apply_decode(dec, out, tokens, cols, is_probe(plan.reason))
             d = dec.num_draft
             if d.any():
                 accepted = float(np.minimum(out.num_accepted[:n], d).sum())
@@ -1090,7 +1091,9 @@ class Scheduler:
             self.rate_tracker.observe(int(starts[-1]), measured_ms, self._round_ar_rate)
         return cols.build()
 
-    def _apply_decode(self, dec: DecodeRows, out, tokens: list[int], cols) -> None:
+    def _apply_decode(
+        self, dec: DecodeRows, out, tokens: list[int], cols, probe: bool = False
+    ) -> None:
         """The decode rows of a round: counters, stops, outputs and KV as array work; only
         requests whose run holds a stop candidate go through the per-token loop."""
         n = len(dec)
@@ -1110,7 +1113,8 @@ class Scheduler:
         self._drafter_lag[slots] = np.where(live, np.where(spec, caught, lag + 1), lag)
         observed = live & spec
         if observed.any():
-            self._pending_obs[-1] = (slots[observed], d[observed], accepted[observed])
+            weight = PROBE_CALIB_WEIGHT if probe else 1.0
+            self._pending_obs[-1] = (slots[observed], d[observed], accepted[observed], weight)
             self._num_drafted += int(d[observed].sum())
             self._num_accepted += int(accepted[observed].sum())
         # Stops: max_tokens reached inside the run, a stop/EOS id among the tokens, or a stop

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.acceptance import LEVELS, SWITCH, AcceptanceEstimator
+from scheduler.acceptance import CALIB_WINDOW, LEVELS, SWITCH, AcceptanceEstimator
 
 
 def recursive_survival(est: AcceptanceEstimator, belief: np.ndarray) -> np.ndarray:
@@ -62,3 +62,25 @@ def test_prior_moves_with_first_positions_and_beliefs_with_whole_chains():
     rejected = AcceptanceEstimator(num_slots=8, max_drafts=7)
     rejected.observe(slots, drafted, np.zeros(8, dtype=np.int64))
     assert rejected.global_acceptance()[0] < long_chains.global_acceptance()[0] - 0.03
+
+
+def test_a_weighted_observation_counts_that_many_times_in_the_calibration():
+    """calib_weight w adds w x the positions' predicted and realized survival to the sums
+    (and ages them as w observations would), so a few probes can outweigh the pseudo-counts;
+    beliefs and the prior learn as from one observation."""
+    one, heavy = (AcceptanceEstimator(num_slots=2, max_drafts=4) for _ in range(2))
+    slots, drafted, accepted = np.arange(2), np.array([3, 3]), np.array([3, 1])
+    one.observe(slots, drafted, accepted)
+    heavy.observe(slots, drafted, accepted, calib_weight=10.0)
+    base = AcceptanceEstimator(num_slots=2, max_drafts=4)._calib_real  # the pseudo-counts
+    drafted_per_pos = np.array([2, 2, 2, 0])  # both chains drafted positions 1..3
+    realized = np.array([2.0, 1.0, 1.0, 0.0])  # accepted: both at 1, one of them at 2 and 3
+    keep_one = np.exp(-drafted_per_pos / CALIB_WINDOW)
+    keep_heavy = np.exp(-10.0 * drafted_per_pos / CALIB_WINDOW)
+    assert np.allclose(one._calib_real, base * keep_one + realized)
+    assert np.allclose(heavy._calib_real, base * keep_heavy + 10.0 * realized)
+    assert np.allclose(heavy.belief, one.belief) and np.allclose(heavy.prior, one.prior)
+    # realized above predicted: the heavy estimator's calibration moved ten times further
+    move_one = one.calibration()[:3] - 1.0
+    move_heavy = heavy.calibration()[:3] - 1.0
+    assert (np.abs(move_heavy) > 3 * np.abs(move_one)).all()
