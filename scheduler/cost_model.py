@@ -32,9 +32,12 @@ Speculating rounds as served (profiles that have the tables; older ones keep the
 - `draft_model.kv_ms_per_token` (ms per draft and per token of context past the proposals'
   `context_len`) prices the draft KV every step reads: D drafts of a batch whose decoding
   requests hold T tokens of KV (n requests) cost D * rate * (T / n - context_len) on top
-  (`draft_kv_ms`; less below the reference context). Without it a proposal for 16 requests at
-  16k tokens of context each was priced as at 1k, and the planner took more drafts there than
-  at 1k (more of the round is the target's KV read, which drafts do not add to).
+  (`draft_kv_ms`; less below the reference context). T is the round's KV less its draft and
+  prefill rows, so in a round with a later chunk of a prompt it still holds that prompt's
+  computed prefix (at 16 requests a 2k-token prefix adds ~0.4 ms at the H200's rate). Without
+  the term a proposal for 16 requests at 16k tokens of context each was priced as at 1k, and
+  the planner took more drafts there than at 1k (more of the round is the target's KV read,
+  which drafts do not add to).
 - `target.spec_round_ratio` ([k, ratio]: full-depth speculating rounds of k requests as the
   engine ran them at profiling time, over the price of the terms above) scales a speculating
   round's whole price, by its speculating requests (flat outside the measured counts; absent:
