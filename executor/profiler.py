@@ -46,6 +46,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -195,10 +196,16 @@ class RoundTimer:
         return random_setups(self.ex, self.pool, num_seqs, kv_len, new_tokens, seed)
 
     def time_round(
-        self, num_rows: int, kv_len: int, repeats: int, rows_per_seq: int | None = None
+        self,
+        num_rows: int,
+        kv_len: int,
+        repeats: int,
+        rows_per_seq: int | None = None,
+        kv_lens: Sequence[int] | None = None,
     ) -> float:
         """Median wall time (ms) of a round of `num_rows` rows at `kv_len` tokens of context
-        per sequence; `rows_per_seq` > 1 makes speculative groups of that many rows."""
+        per sequence (or `kv_lens`, one length per sequence: a ragged batch); `rows_per_seq`
+        > 1 makes speculative groups of that many rows."""
         ex = self.ex
         max_slots = ex.max_slots
         if rows_per_seq is None:
@@ -206,7 +213,11 @@ class RoundTimer:
         if rows_per_seq > 1 and ex.drafter is None:
             raise ValueError(f"{num_rows} rows need speculative groups: load a drafter")
         num_seqs = -(-num_rows // rows_per_seq)
-        setups, blocks = self._contexts(num_seqs, kv_len, rows_per_seq, num_rows * 7919 + kv_len)
+        lens = [kv_len] * num_seqs if kv_lens is None else [int(n) for n in kv_lens]
+        if len(lens) != num_seqs or min(lens) < 1:
+            raise ValueError(f"kv_lens: {num_seqs} positive lengths, got {len(lens)}")
+        top = max(lens)
+        setups, blocks = self._contexts(num_seqs, top, rows_per_seq, num_rows * 7919 + top)
         reqs = []
         remaining = num_rows
         for slot in range(num_seqs):
@@ -217,7 +228,7 @@ class RoundTimer:
                     req_id=slot,
                     slot=slot,
                     mode=Mode.AR if n == 1 else Mode.SPEC,
-                    num_computed=kv_len - 1,
+                    num_computed=lens[slot] - 1,
                     num_new=n,
                     num_draft=n - 1,
                     new_block_ids=blocks[slot],
@@ -241,7 +252,7 @@ class RoundTimer:
                 # Every repeat re-runs the same rows from the same committed state: reset what
                 # the previous repeat committed (the KV contents do not matter for timing).
                 for r in reqs:
-                    ex.rewind(r.slot, kv_len)
+                    ex.rewind(r.slot, lens[r.slot])
                 _sync(ex.device)
                 t0 = time.perf_counter()
                 result = ex.run(plan)

@@ -1,0 +1,209 @@
+"""Context probe: what ragged contexts cost against uniform ones, for draft-model proposals and
+target rounds.
+
+    python3 -m loadtests.context_probe --out OUT
+
+The cost profile measures proposals and verify rounds with every sequence at one reference
+context, and the cost model prices other contexts by their total KV tokens (the batch's mean).
+A serving batch is ragged: this probe times, at each request count, the same shape three ways:
+
+- `uniform`: every sequence at `--context` tokens;
+- `ragged`: lengths drawn uniformly from [context / 2, 3 context / 2] (the benchmark's prompts);
+- `uniform-max`: every sequence at the ragged batch's longest length;
+
+for `DraftModelDrafter.propose` (`--draft-counts` requests, `--drafts` drafts each, after a
+verified round: `executor.profiler.time_draft_proposals`) and for whole target rounds
+(`RoundTimer.time_round`, `--rounds` as k x rows per sequence). `mean_based_ms` interpolates
+the two uniform timings at the ragged batch's mean length: where `ragged` sits above it, the
+longest sequences set the pace (attention splits are per sequence).
+
+Writes `OUT/context_probe.json` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _pairs(text: str) -> tuple[tuple[int, int], ...]:
+    """ "16x8,64x1" -> ((16, 8), (64, 1))."""
+    out = []
+    for item in text.split(","):
+        if item.strip():
+            k, r = item.lower().split("x")
+            out.append((int(k), int(r)))
+    return tuple(out)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def ragged_lengths(count: int, context: int, rng: np.random.Generator) -> list[int]:
+    """`count` lengths uniform in [context / 2, 3 context / 2]."""
+    return rng.integers(max(context // 2, 1), context * 3 // 2 + 1, count).tolist()
+
+
+def mean_based(uniform_ms: float, max_ms: float, context: int, top: int, mean: float) -> float:
+    """The two uniform timings interpolated at `mean` (what a price by total KV tokens says)."""
+    if top == context:
+        return uniform_ms
+    return uniform_ms + (max_ms - uniform_ms) * (mean - context) / (top - context)
+
+
+def _row(kind: str, shape: str, lens: list[int], times: dict, context: int) -> dict:
+    top, mean = max(lens), float(np.mean(lens))
+    return {
+        "kind": kind,
+        "shape": shape,
+        "ragged_mean": round(mean, 1),
+        "ragged_max": top,
+        "uniform_ms": round(times["uniform"], 4),
+        "ragged_ms": round(times["ragged"], 4),
+        "uniform_max_ms": round(times["uniform-max"], 4),
+        "mean_based_ms": round(
+            mean_based(times["uniform"], times["uniform-max"], context, top, mean), 4
+        ),
+    }
+
+
+def probe_proposals(model, counts, drafts, context, repeats, rng) -> list[dict]:
+    from executor.profiler import draft_bench, time_draft_proposals
+
+    longest = context * 3 // 2
+    drafter, contexts = draft_bench(model, max(counts), longest, drafts)
+    rows = []
+    for k in counts:
+        lens = ragged_lengths(k, context, rng)
+        times = {}
+        for name, lengths in (
+            ("uniform", [context] * k),
+            ("ragged", lens),
+            ("uniform-max", [max(lens)] * k),
+        ):
+            # (each slot's drafter KV covers `longest` tokens: shorter contexts are prefixes)
+            ctx = [c[:n] for c, n in zip(contexts, lengths)] + contexts[k:]
+            out = time_draft_proposals(
+                model, (k,), (drafts,), repeats, context_len=context, bench=(drafter, ctx)
+            )
+            times[name] = out[0][2]
+        rows.append(_row("propose", f"{k} x {drafts} drafts", lens, times, context))
+    return rows
+
+
+def probe_rounds(engine, shapes, context, repeats, rng) -> list[dict]:
+    from executor.profiler import RoundTimer
+
+    timer = RoundTimer(engine.executor, engine.config.spec_depth)
+    rows = []
+    for k, per_seq in shapes:
+        lens = ragged_lengths(k, context, rng)
+        times = {}
+        for name, lengths in (
+            ("uniform", [context] * k),
+            ("ragged", lens),
+            ("uniform-max", [max(lens)] * k),
+        ):
+            timer.time_round(k * per_seq, context, repeats, rows_per_seq=per_seq, kv_lens=lengths)
+            times[name] = timer.last_phases["forward"]
+        rows.append(_row("round forward", f"{k} x {per_seq} rows", lens, times, context))
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python3 -m loadtests.context_probe",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+    )
+    ap.add_argument("--out", required=True, help="folder for context_probe.json")
+    ap.add_argument("--model", default="random:qwen3-8b")
+    ap.add_argument("--draft", default="random:qwen3-0.6b")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--context", type=int, default=1024, help="mean context per sequence")
+    ap.add_argument("--draft-counts", default="8,16,32,64", help="requests per proposal")
+    ap.add_argument("--drafts", type=int, default=7, help="drafts per request")
+    ap.add_argument("--rounds", default="16x8,32x8,64x1", help="target rounds: k x rows per seq")
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--kv-cache-memory", default="40GiB")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        counts, shapes = _ints(args.draft_counts), _pairs(args.rounds)
+    except ValueError as e:
+        print(f"context_probe: bad --draft-counts or --rounds: {e}", file=sys.stderr)
+        return 2
+    if args.context < 2 or args.drafts < 1 or args.repeats < 1 or not (counts or shapes):
+        print("context_probe: need --context >= 2, --drafts >= 1, --repeats >= 1", file=sys.stderr)
+        return 2
+    from hipfire_serve.config import EngineConfig
+    from hipfire_serve.engine import Engine
+
+    depth = max((r for _, r in shapes), default=1)
+    longest = args.context * 3 // 2
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            draft=args.draft,
+            device=args.device,
+            dtype=args.dtype,
+            max_concurrency=max((k for k, _ in shapes), default=1),
+            spec_depth=max(depth, args.drafts + 1),
+            kv_cache_memory=args.kv_cache_memory,
+            max_model_len=longest + max(depth, args.drafts + 1) + 16,
+            graphs="lazy",
+            spec_mode="ar",
+        )
+    )
+    rng = np.random.default_rng(args.seed)
+    t0 = time.perf_counter()
+    model = getattr(engine.drafter, "model", None)
+    rows = []
+    if counts and model is not None:
+        rows += probe_proposals(model, counts, args.drafts, args.context, args.repeats, rng)
+    if shapes:
+        rows += probe_rounds(engine, shapes, args.context, args.repeats, rng)
+    device = engine.target.device
+    name = "cpu"
+    if device.type == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(device)
+    report = {
+        "device": name,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": args.model,
+        "draft": args.draft,
+        "context": args.context,
+        "repeats": args.repeats,
+        "elapsed_s": round(time.perf_counter() - t0, 1),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "context_probe.json").write_text(json.dumps(report, indent=1))
+    print(
+        f"{'kind':<14} {'shape':<16} {'mean':>6} {'max':>5} {'uniform':>8} {'ragged':>8} "
+        f"{'at max':>8} {'mean-based':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['kind']:<14} {r['shape']:<16} {r['ragged_mean']:>6.0f} {r['ragged_max']:>5} "
+            f"{r['uniform_ms']:>8.3f} {r['ragged_ms']:>8.3f} {r['uniform_max_ms']:>8.3f} "
+            f"{r['mean_based_ms']:>10.3f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
