@@ -243,28 +243,9 @@ class RoundTimer:
         )
         # The target's cost is measured with a cost-free drafter in place: a model drafter's
         # own cost is profiled separately (time_draft_steps).
-        saved_drafter = ex.drafter
-        ex.drafter = _RepeatDrafter() if rows_per_seq > 1 else None
-        ex._apply_setup_release(RoundPlan(round_id=0, setup=tuple(setups)))
-        times, phases = [], []
-        try:
-            for i in range(repeats + 2):
-                # Every repeat re-runs the same rows from the same committed state: reset what
-                # the previous repeat committed (the KV contents do not matter for timing).
-                for r in reqs:
-                    ex.rewind(r.slot, lens[r.slot])
-                _sync(ex.device)
-                t0 = time.perf_counter()
-                result = ex.run(plan)
-                _sync(ex.device)
-                if i >= 2:
-                    times.append((time.perf_counter() - t0) * 1e3)
-                    phases.append(result.timings)
-        finally:
-            ex._apply_setup_release(RoundPlan(round_id=0, release=tuple(range(num_seqs))))
-            ex.drafter = saved_drafter
-            for r in reqs:
-                self.pool.free(r.req_id)
+        drafter = _RepeatDrafter() if rows_per_seq > 1 else None
+        states = [(slot, lens[slot], lens[slot] - 1) for slot in range(num_seqs)]
+        times, phases = self._time_plan(plan, setups, states, drafter, repeats)
         self.last_phases = {
             name: statistics.median(getattr(p, f"{name}_ms") for p in phases)
             for name in ("build", "draft", "forward", "accept", "commit")
@@ -275,7 +256,6 @@ class RoundTimer:
         """Median wall time (ms) of a round of prefill chunks only, `num_rows` tokens in chunks
         of at most `chunk_rows` (the starts of as many prompts; eager: rounds with prefill
         chunks replay no graph)."""
-        ex = self.ex
         sizes = [min(chunk_rows, num_rows - a) for a in range(0, num_rows, chunk_rows)]
         setups, blocks = self._contexts(len(sizes), max(sizes), 1, num_rows * 7919 + 3)
         chunks = [
@@ -290,25 +270,39 @@ class RoundTimer:
             for slot, n in enumerate(sizes)
         ]
         plan = RoundPlan.from_reqs(chunks, round_id=0, num_rows=num_rows, row_bucket=num_rows)
-        saved_drafter, ex.drafter = ex.drafter, None  # the target's cost alone
+        # the prompt's first n tokens, none computed; no drafter: the target's cost alone
+        states = [(slot, n, 0) for slot, n in enumerate(sizes)]
+        times, _ = self._time_plan(plan, setups, states, None, repeats)
+        return statistics.median(times)
+
+    def _time_plan(self, plan, setups, states, drafter, repeats: int) -> tuple[list, list]:
+        """`RoundExecutor.run(plan)` timed `repeats` times after two warm-ups, with `drafter`
+        in the executor's place: the slots of `setups` are set up first and released (their
+        blocks freed) after, and every run starts from the committed state `states`
+        [(slot, context length, computed tokens)] (the KV contents do not matter for timing).
+        -> (wall ms per run, its PhaseTimes)"""
+        ex = self.ex
+        saved_drafter, ex.drafter = ex.drafter, drafter
         ex._apply_setup_release(RoundPlan(round_id=0, setup=tuple(setups)))
-        times = []
+        slots = tuple(slot for slot, _, _ in states)
+        times, phases = [], []
         try:
             for i in range(repeats + 2):
-                for slot, n in enumerate(sizes):  # the prompt's first n tokens, none computed
-                    ex.rewind(slot, n, num_computed=0)
+                for slot, context_len, computed in states:
+                    ex.rewind(slot, context_len, num_computed=computed)
                 _sync(ex.device)
                 t0 = time.perf_counter()
-                ex.run(plan)
+                result = ex.run(plan)
                 _sync(ex.device)
                 if i >= 2:
                     times.append((time.perf_counter() - t0) * 1e3)
+                    phases.append(result.timings)
         finally:
-            ex._apply_setup_release(RoundPlan(round_id=0, release=tuple(range(len(sizes)))))
+            ex._apply_setup_release(RoundPlan(round_id=0, release=slots))
             ex.drafter = saved_drafter
-            for slot in range(len(sizes)):
+            for slot in slots:
                 self.pool.free(slot)
-        return statistics.median(times)
+        return times, phases
 
 
 def time_prefill_rows(engine, timer: RoundTimer, repeats: int) -> list[list[float]]:

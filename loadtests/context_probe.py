@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtests.cli_args import int_tuple
+
 
 def _pairs(text: str) -> tuple[tuple[int, int], ...]:
     """ "16x8,64x1" -> ((16, 8), (64, 1))."""
@@ -39,10 +41,6 @@ def _pairs(text: str) -> tuple[tuple[int, int], ...]:
             k, r = item.lower().split("x")
             out.append((int(k), int(r)))
     return tuple(out)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def ragged_lengths(count: int, context: int, rng: np.random.Generator) -> list[int]:
@@ -57,63 +55,72 @@ def mean_based(uniform_ms: float, max_ms: float, context: int, top: int, mean: f
     return uniform_ms + (max_ms - uniform_ms) * (mean - context) / (top - context)
 
 
-def _row(kind: str, shape: str, lens: list[int], times: dict, context: int) -> dict:
+def probe_three(kind: str, shape: str, k: int, context: int, rng, time_ms) -> dict:
+    """Times `time_ms(lengths)` (ms) for `k` sequences uniform at `context`, ragged around it and
+    uniform at the ragged batch's longest length. -> one row of the report"""
+    lens = ragged_lengths(k, context, rng)
     top, mean = max(lens), float(np.mean(lens))
+    uniform = time_ms([context] * k)
+    ragged = time_ms(lens)
+    at_max = time_ms([top] * k)
     return {
         "kind": kind,
         "shape": shape,
         "ragged_mean": round(mean, 1),
         "ragged_max": top,
-        "uniform_ms": round(times["uniform"], 4),
-        "ragged_ms": round(times["ragged"], 4),
-        "uniform_max_ms": round(times["uniform-max"], 4),
-        "mean_based_ms": round(
-            mean_based(times["uniform"], times["uniform-max"], context, top, mean), 4
-        ),
+        "uniform_ms": round(uniform, 4),
+        "ragged_ms": round(ragged, 4),
+        "uniform_max_ms": round(at_max, 4),
+        "mean_based_ms": round(mean_based(uniform, at_max, context, top, mean), 4),
     }
 
 
 def probe_proposals(model, counts, drafts, context, repeats, rng) -> list[dict]:
     from executor.profiler import draft_bench, time_draft_proposals
 
-    longest = context * 3 // 2
-    drafter, contexts = draft_bench(model, max(counts), longest, drafts)
-    rows = []
-    for k in counts:
-        lens = ragged_lengths(k, context, rng)
-        times = {}
-        for name, lengths in (
-            ("uniform", [context] * k),
-            ("ragged", lens),
-            ("uniform-max", [max(lens)] * k),
-        ):
-            # (each slot's drafter KV covers `longest` tokens: shorter contexts are prefixes)
-            ctx = [c[:n] for c, n in zip(contexts, lengths)] + contexts[k:]
-            out = time_draft_proposals(
-                model, (k,), (drafts,), repeats, context_len=context, bench=(drafter, ctx)
-            )
-            times[name] = out[0][2]
-        rows.append(_row("propose", f"{k} x {drafts} drafts", lens, times, context))
-    return rows
+    drafter, contexts = draft_bench(model, max(counts), context * 3 // 2, drafts)
+
+    def propose_ms(k: int, lengths: list[int]) -> float:
+        # (each slot's drafter KV covers the longest context: shorter ones are prefixes)
+        ctx = [c[:n] for c, n in zip(contexts, lengths)] + contexts[k:]
+        out = time_draft_proposals(
+            model, (k,), (drafts,), repeats, context_len=context, bench=(drafter, ctx)
+        )
+        return out[0][2]
+
+    return [
+        probe_three(
+            "propose",
+            f"{k} x {drafts} drafts",
+            k,
+            context,
+            rng,
+            lambda lens, k=k: propose_ms(k, lens),
+        )
+        for k in counts
+    ]
 
 
 def probe_rounds(engine, shapes, context, repeats, rng) -> list[dict]:
     from executor.profiler import RoundTimer
 
     timer = RoundTimer(engine.executor, engine.config.spec_depth)
-    rows = []
-    for k, per_seq in shapes:
-        lens = ragged_lengths(k, context, rng)
-        times = {}
-        for name, lengths in (
-            ("uniform", [context] * k),
-            ("ragged", lens),
-            ("uniform-max", [max(lens)] * k),
-        ):
-            timer.time_round(k * per_seq, context, repeats, rows_per_seq=per_seq, kv_lens=lengths)
-            times[name] = timer.last_phases["forward"]
-        rows.append(_row("round forward", f"{k} x {per_seq} rows", lens, times, context))
-    return rows
+
+    def forward_ms(k: int, per_seq: int, lengths: list[int]) -> float:
+        timer.time_round(k * per_seq, context, repeats, rows_per_seq=per_seq, kv_lens=lengths)
+        return timer.last_phases["forward"]
+
+    return [
+        probe_three(
+            "round forward",
+            f"{k} x {r} rows",
+            k,
+            context,
+            rng,
+            lambda lens, k=k, r=r: forward_ms(k, r, lens),
+        )
+        for k, r in shapes
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        counts, shapes = _ints(args.draft_counts), _pairs(args.rounds)
+        counts, shapes = int_tuple(args.draft_counts), _pairs(args.rounds)
     except ValueError as e:
         print(f"context_probe: bad --draft-counts or --rounds: {e}", file=sys.stderr)
         return 2

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtests import gpu_bench_report as report
+from loadtests.cli_args import int_tuple
 from loadtests.gpu_bench_measure import (
     add_round_phases,
     measure_idle,
@@ -134,10 +135,6 @@ QUICK = BenchConfig(
 
 
 # -- command line ------------------------------------------------------------------------------
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v)
-
-
 def _names(text: str) -> tuple[str, ...]:
     return tuple(v for v in text.split(",") if v)
 
@@ -148,7 +145,7 @@ FLAGS = {
     "--drafters": ("drafters", _names),
     "--cohorts": ("cohorts", _names),
     "--other-cohorts": ("other_cohorts", _names),
-    "--concurrency": ("concurrency", _ints),
+    "--concurrency": ("concurrency", int_tuple),
     "--policies": ("policies", _names),
     "--sim-policies": ("sim_policies", _names),
     "--prompt-len": ("prompt_len", int),
@@ -158,8 +155,8 @@ FLAGS = {
     "--repeats": ("repeats", int),
     "--spec-depth": ("spec_depth", int),
     "--max-prefill-tokens": ("max_prefill_tokens", int),
-    "--profile-rows": ("profile_rows", _ints),
-    "--profile-kv-lens": ("profile_kv_lens", _ints),
+    "--profile-rows": ("profile_rows", int_tuple),
+    "--profile-kv-lens": ("profile_kv_lens", int_tuple),
     "--profile-repeats": ("profile_repeats", int),
     "--idle-concurrency": ("idle_concurrency", int),
     "--idle-rounds": ("idle_rounds", int),
@@ -198,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("off", "on", "auto"),
         default=None,
         help="the draft model computes prefill chunks' KV in their rounds: off (default), on, "
-        "or auto (while the policy would speculate on the decoding batch were its drafter "
-        "caught up); the all-AR baseline never does",
+        "or auto (prompts whose following the policy's speculation on the live batch, every "
+        "request decoding with its drafter caught up, would pay back); the all-AR baseline "
+        "never does",
     )
     for flag, (name, _) in FLAGS.items():
         default = getattr(BenchConfig, name)

@@ -43,6 +43,7 @@ from executor.drafters.base import DraftRequest
 from executor.drafters.draft_model import DeviceClock, DraftModelDrafter
 from executor.profiler import random_setups
 from executor.round_executor import RoundExecutor
+from loadtests.cli_args import int_tuple
 from loadtests.compile_log import CompileLog
 from scheduler.kv_blocks import BlockPool
 from scheduler.plan import Mode, ReqPlan, RoundPlan, SamplingSpec, SeqSetup
@@ -497,15 +498,11 @@ def refill_replay(
 
 
 # -- the whole probe --------------------------------------------------------------------------
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def build_engine(args):
     from hipfire_serve.config import EngineConfig
     from hipfire_serve.engine import Engine
 
-    slots = max((args.decode_rows, *_ints(args.seq_scan))) + 1
+    slots = max((args.decode_rows, *int_tuple(args.seq_scan))) + 1
     return Engine(
         EngineConfig(
             model=args.model,
@@ -677,7 +674,7 @@ def run_probe(args, device: torch.device, log: CompileLog, out: Path) -> dict:
 
     # (d) first, as a server meets it after start-up: the refill workload, step by step
     if args.replay_reqs > 0 and not over_budget("refill replay"):
-        lo, hi = _ints(args.replay_prompts)
+        lo, hi = int_tuple(args.replay_prompts)
         record["replay"] = refill_replay(
             engine, args.replay_reqs, lo, hi, args.replay_max_tokens, log
         )
@@ -691,8 +688,8 @@ def run_probe(args, device: torch.device, log: CompileLog, out: Path) -> dict:
 
     # (a) prefill rounds: alone, then with the decode rows
     for num_decode in (0, args.decode_rows):
-        for ctx in _ints(args.contexts):
-            for chunk in _ints(args.chunks):
+        for ctx in int_tuple(args.contexts):
+            for chunk in int_tuple(args.chunks):
                 shape = RoundShape(chunk, ctx, num_decode, args.decode_kv_len)
                 if over_budget(shape.label()):
                     continue
@@ -711,7 +708,7 @@ def run_probe(args, device: torch.device, log: CompileLog, out: Path) -> dict:
     # (b) the draft model's proposals
     draft_model = getattr(engine.drafter, "model", None)
     if draft_model is not None:
-        reqs, ctxs = _ints(args.draft_reqs), _ints(args.draft_contexts)
+        reqs, ctxs = int_tuple(args.draft_reqs), int_tuple(args.draft_contexts)
         drafter = make_drafter(draft_model, max(reqs), max(ctxs), args.draft_depth)
         for ctx in ctxs:
             for n in reqs:
@@ -726,8 +723,8 @@ def run_probe(args, device: torch.device, log: CompileLog, out: Path) -> dict:
         save()
 
     # the sequence-count scan and one round kernel by kernel
-    big, ctx_hi = max(_ints(args.chunks)), max(_ints(args.contexts))
-    for n in _ints(args.seq_scan):
+    big, ctx_hi = max(int_tuple(args.chunks)), max(int_tuple(args.contexts))
+    for n in int_tuple(args.seq_scan):
         shape = RoundShape(big, ctx_hi, n, args.decode_kv_len)
         if over_budget(shape.label()):
             continue

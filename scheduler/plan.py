@@ -187,6 +187,8 @@ class RoundPlan(msgspec.Struct, frozen=True, kw_only=True):
     predicted_tokens: float = 0.0
     route: str = ""  # one letter per planned request in row order: P, A or S
     reason: str = ""  # why this route (human readable, for logs and metrics)
+    # the policy's probe of a drafter (scheduler-side: its outcomes weigh more in calibration)
+    probe: bool = False
 
     @classmethod
     def from_reqs(cls, reqs: Iterable[ReqPlan], **fields) -> RoundPlan:

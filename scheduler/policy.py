@@ -56,16 +56,6 @@ PROBE_RECHECK_ROUNDS = 64
 # within +-0.5% but mixed C = 2 (1.087x -> 1.075x); refill at C = 64 0.2-0.4% lower (the
 # fill's probes are deeper).
 PROBE_DEPTH_SURVIVAL = 0.5
-# The word a probe's decision reason carries (`is_probe`; after it only " drain" or
-# " cohort-change", and the engine's " (ahead)").
-PROBE_TAG = " probe"
-
-
-def is_probe(reason: str) -> bool:
-    """Whether a round's decision reason says it was a probe."""
-    return reason.endswith(PROBE_TAG) or PROBE_TAG + " " in reason
-
-
 # Entry margin: a plan in which nobody speculated last round and whose entrants must catch their
 # drafters up is taken only at a predicted gain of at least ENTRY_MARGIN x the entrants' share
 # of the batch. Such an entry is priced with its catch-up spread over the SPEC rounds the
@@ -125,6 +115,8 @@ class DecodeView:
 class Decision:
     num_draft: np.ndarray  # [n] int
     reason: str
+    # a probe (AdaptivePolicy.probe): its outcomes weigh PROBE_CALIB_WEIGHT in the calibration
+    probe: bool = False
 
 
 class SpecPolicy(Protocol):
@@ -545,7 +537,7 @@ class AdaptivePolicy:
                 can_pay = self.probe_can_pay(view, estimator, cost_model, basis, catchup)
                 check[:] = [0, n, can_pay]
             if check[2]:
-                num_draft, probe = self.probe(view, may_probe, survival), PROBE_TAG
+                num_draft, probe = self.probe(view, may_probe, survival), " probe"
                 self._probe_req_id = int(view.req_ids[np.flatnonzero(num_draft)[0]])
         self.stretches.observe(view, num_draft)
         num_spec = int(np.count_nonzero(num_draft))
@@ -557,7 +549,7 @@ class AdaptivePolicy:
             + (" drain" if view.draining else "")
             + (" cohort-change" if view.cohort_changed else "")
         )
-        return Decision(num_draft, reason)
+        return Decision(num_draft, reason, probe=bool(probe))
 
     def following_pays(
         self, view, estimator, cost_model, follow_ms: float, num_tokens: float

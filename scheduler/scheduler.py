@@ -41,7 +41,6 @@ from scheduler.policy import (
     RateTracker,
     SpecPolicy,
     YieldTracker,
-    is_probe,
 )
 from scheduler.request import (
     SPECULATION_CHOICES,
@@ -251,13 +250,15 @@ class Scheduler:
         self._last_raw_ms = 0.0
         self._last_extra_tokens = 0.0
         self._last_reason = ""
+        self._last_probe = False  # whether the last decision was a probe
         # (slots, req ids, drafts, reason, expected extra tokens, drafts within the static
-        # caps) decided ahead for the next round (prepare_decision)
+        # caps, a probe) decided ahead for the next round (prepare_decision)
         self._prepared: tuple | None = None
         # Rounds whose acceptance outcomes the estimator has not taken in yet, oldest first:
-        # None (decay only) or (slots, drafted, accepted). update() only records them; they are
-        # applied before any decision that reads the estimator (prepare_decision in the
-        # engine's overlap window, or a fresh decision in plan()), off the host's critical path.
+        # None (decay only) or (slots, drafted, accepted, calibration weight). update() only
+        # records them; they are applied before any decision that reads the estimator
+        # (prepare_decision in the engine's overlap window, or a fresh decision in plan()), off
+        # the host's critical path.
         self._pending_obs: list[tuple | None] = []
         self._last_plan: RoundPlan | None = None
         self._last_measured_ms = 0.0
@@ -613,6 +614,7 @@ class Scheduler:
             predicted_tokens=predicted_tokens + self._last_extra_tokens,
             route=route,
             reason=self._last_reason,
+            probe=self._last_probe,
         )
         self._last_plan = plan
         raw_alone = self._last_raw_ms
@@ -638,6 +640,7 @@ class Scheduler:
         self._last_extra_tokens = 0.0
         self._round_ar_rate = 0.0
         prepared, self._prepared = self._prepared, None
+        self._last_probe = False
         if n == 0 or self.config.max_drafts == 0:
             self._last_reason = "no decoding request" if n == 0 else "no speculation"
             return np.zeros(n, dtype=np.int64)
@@ -672,6 +675,7 @@ class Scheduler:
                 num_draft = np.minimum(ahead, np.maximum(caps, 0))
                 extra = prepared[4] if np.array_equal(num_draft, ahead) else None
             self._last_reason = prepared[3] + " (ahead)"
+            self._last_probe = prepared[6]
             ar_ms = self.cost_model.predict_ms_scalar(n, int(self._num_computed[slots].sum()) + n)
         else:
             extra = None
@@ -679,6 +683,7 @@ class Scheduler:
             view, ar_ms = self._policy_view(slots, prefills, self._round_id)
             decision = self.policy.decide(view, self.estimator, self.cost_model)
             self._last_reason = decision.reason
+            self._last_probe = decision.probe
             num_draft = np.asarray(decision.num_draft, dtype=np.int64)
         # Only decode-only rounds feed the rate bar (see RateTracker): with a prefill chunk in
         # the round, drafts ride on an expensive eager forward and the uplift over AR is far
@@ -696,6 +701,7 @@ class Scheduler:
         self._prepared = None
         self._last_extra_tokens = 0.0
         self._last_reason = "AR, planned while the previous round runs"
+        self._last_probe = False
         n = len(slots)
         self._round_ar_rate = 0.0
         if n and not prefills:
@@ -908,6 +914,7 @@ class Scheduler:
             decision.reason,
             extra,
             within_caps,
+            decision.probe,
         )
 
     def _build_decode(self, slots: np.ndarray, num_draft: np.ndarray):
@@ -1076,7 +1083,7 @@ class Scheduler:
         tokens = out.token_ids.tolist()
         cols = _DeltaColumns()
         if n:
-            self._apply_decode(dec, out, tokens, cols, is_probe(plan.reason))
+            self._apply_decode(dec, out, tokens, cols, plan.probe)
             d = dec.num_draft
             if d.any():
                 accepted = float(np.minimum(out.num_accepted[:n], d).sum())

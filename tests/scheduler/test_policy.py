@@ -247,33 +247,34 @@ def test_rate_bar_learns_from_decode_only_rounds():
 
 
 def test_a_probe_rounds_positions_weigh_more_in_the_calibration():
-    """The scheduler hands the estimator a probe round's outcomes with PROBE_CALIB_WEIGHT
-    (`is_probe` on the decision's reason) and every other speculating round's with 1."""
+    """The scheduler hands the estimator a probe round's outcomes (`Decision.probe`, carried by
+    the plan) with PROBE_CALIB_WEIGHT and every other speculating round's with 1."""
     from scheduler.acceptance import PROBE_CALIB_WEIGHT
-    from scheduler.policy import Decision, is_probe
+    from scheduler.policy import Decision
 
-    reasons = ["k=1/2 d_max=2 pred +0.0% tok/s vs AR (5.00 ms) probe", "k=1/2 d_max=2 pred +9.0%"]
+    probes = [True, False]
 
     class Scripted(AdaptivePolicy):
         def decide(self, view, estimator, cost_model):
             num_draft = np.zeros(len(view.req_ids), dtype=np.int64)
-            if not reasons:
+            if not probes:
                 return Decision(num_draft, "k=0")
             num_draft[0] = 2
-            return Decision(num_draft, reasons.pop(0))
+            probe = probes.pop(0)
+            return Decision(num_draft, "k=1/2 d_max=2", probe=probe)
 
-    assert is_probe(reasons[0]) and not is_probe(reasons[1])
-    assert is_probe("k=1/4 d_max=1 pred +0.0% tok/s vs AR (5.01 ms) probe cohort-change")
     cfg = SchedulerConfig(max_concurrency=2, block_size=16, spec_depth=4, max_prefill_tokens=512)
     sched = Scheduler(cfg, 2000, CostModel(PROFILE), policy=Scripted())
     ex = SimExecutor(PROFILE, EASY, 2, seed=0)
     for spec in specs(2, max_tokens=50):
         sched.add_request(spec)
-    weights = []
+    weights, plan_probes = [], []
     while sched.has_work() and len(weights) < 2:
         plan = sched.plan(0.0)
         sched.update(ex.run(plan), 0.0)
         obs = sched._pending_obs[-1]
         if obs is not None:
             weights.append(obs[3])
+            plan_probes.append(plan.probe)
+    assert plan_probes == [True, False]
     assert weights == [PROBE_CALIB_WEIGHT, 1.0] and PROBE_CALIB_WEIGHT > 1.0

@@ -304,7 +304,7 @@ def test_a_probe_drafts_as_deep_as_its_request_is_likely_to_survive():
     remaining = np.array([100, 50, 90, 100])
     lagging = DecodeView(**{**lagging.__dict__, "drafter_lag": lag, "num_remaining": remaining})
     probe = AdaptivePolicy().decide(lagging, est, MODEL)
-    assert probe.num_draft.tolist() == [0, 0, 2, 0] and "probe" in probe.reason
+    assert probe.num_draft.tolist() == [0, 0, 2, 0] and "probe" in probe.reason and probe.probe
 
 
 def test_calibration_scales_positions_by_realized_over_predicted():
