@@ -152,7 +152,7 @@ class _RepeatDrafter:
     def release(self, slot):
         pass
 
-    def propose(self, requests, greedy):
+    def propose(self, requests, greedy, defer=False):
         return DraftBatch(tokens=[[r.context[-1]] * r.num_draft for r in requests])
 
     def commit(self, slot, context, num_accepted, num_draft):

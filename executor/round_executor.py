@@ -139,6 +139,9 @@ class PendingRound:
     t_launched: float = 0.0
     slots: np.ndarray | None = None  # [m] slot of every planned request in row order
     input_ids: np.ndarray | None = None  # [R]
+    # [sum(num_draft)] rows whose input is a draft, when the drafts reached the batch on the
+    # device (deferred): `input_ids` holds placeholders there until `finish`
+    draft_in_rows: np.ndarray | None = None
     group_rows: np.ndarray | None = None  # [m + 1] row starts
     sample_of: np.ndarray | None = None  # [same] index of those chunks among the requests
     accept: AcceptLaunch | None = None
@@ -334,30 +337,26 @@ class RoundExecutor:
         p.t_draft0 = time.perf_counter()
         num_draft = dec.num_draft
         spec = np.flatnonzero(num_draft)
-        drafts_flat = np.zeros(0, dtype=np.int64)
+        drafts_flat = np.zeros(0, dtype=np.int64)  # None while the drafts are on the device
         if len(spec):
             if self.drafter is None:
                 raise RuntimeError("plan has SPEC requests but the executor has no drafter")
-            spec_slots = dec.slots[spec].tolist()
-            spec_draft = num_draft[spec].tolist()
+            spec_slots = dec.slots[spec]
+            # Deferred: a drafter working on the device returns before its drafts reach the
+            # host; the batch below is built meanwhile and the drafts are copied into its rows
+            # on the device, so the forward follows the chain without a wait. Penalties count
+            # the drafts on the host at launch, so a round with any takes them at once.
             p.drafts = self.drafter.propose(
                 [
-                    DraftRequest(
-                        s,
-                        self.context(s),
-                        d,
-                        temperature=float(self.float_params[0, s]),
-                    )
-                    for s, d in zip(spec_slots, spec_draft)
+                    DraftRequest(s, self.context(s), d, temperature=float(self.float_params[0, s]))
+                    for s, d in zip(spec_slots.tolist(), num_draft[spec].tolist())
                 ],
-                [bool(self.greedy[s]) for s in spec_slots],
+                [bool(self.greedy[s]) for s in spec_slots.tolist()],
+                defer=True,
             )
-            for s, d, toks in zip(spec_slots, spec_draft, p.drafts.tokens):
-                if len(toks) != d:
-                    raise RuntimeError(
-                        f"slot {s}: plan has {d} drafts, the drafter gave {len(toks)}"
-                    )
-            drafts_flat = np.asarray([t for toks in p.drafts.tokens for t in toks], dtype=np.int64)
+            if p.drafts.tokens is None and self.penalised[slots].any():
+                p.drafts.resolve()
+            drafts_flat = None if p.drafts.tokens is None else _flat_drafts(p.drafts, dec)
         self._sync()
         p.t_build0 = time.perf_counter()
 
@@ -384,7 +383,9 @@ class RoundExecutor:
             ahead_src = ahead_src[from_dev]
             ahead_dst = group_rows[from_dev]
         is_draft = j[:num_dec_rows] > 0
-        input_ids[:num_dec_rows][is_draft] = drafts_flat  # drafts in request order = row order
+        deferred = drafts_flat is None
+        # drafts in request order = row order (placeholders until the device copies them in)
+        input_ids[:num_dec_rows][is_draft] = 0 if deferred else drafts_flat
         for k, q in enumerate(prefills):
             a = int(group_rows[n + k])
             input_ids[a : a + q.num_new] = self.tokens[
@@ -408,7 +409,7 @@ class RoundExecutor:
         next_draft = np.full(num_logit, -1, dtype=np.int64)
         has_next = np.zeros(num_logit, dtype=bool)
         has_next[:num_dec_rows] = j[:num_dec_rows] < num_draft[owner[:num_dec_rows]]
-        next_draft[np.flatnonzero(has_next)] = drafts_flat
+        next_draft[np.flatnonzero(has_next)] = 0 if deferred else drafts_flat
         host = self._host
         host.start()
         host.add("ids", input_ids, np.int64)
@@ -437,9 +438,15 @@ class RoundExecutor:
         if mixed:
             host.add("sampled_rows", sampled, np.int64)
         with_probs = p.drafts is not None and p.drafts.probs is not None
-        if with_probs:  # the logit rows the drafts' distributions belong to
+        if with_probs or deferred:  # the logit rows the drafts (and distributions) belong to
             host.add("draft_rows", np.flatnonzero(has_next), np.int64)
+        if deferred:  # the rows whose input is a draft
+            p.draft_in_rows = np.flatnonzero(is_draft)
+            host.add("draft_in_rows", p.draft_in_rows, np.int64)
         dev = host.upload()
+        if deferred:  # after the upload, in stream order: the drafts from the chain's output
+            dev["ids"].index_copy_(0, dev["draft_in_rows"], p.drafts.tokens_dev)
+            dev["next_draft"].index_copy_(0, dev["draft_rows"], p.drafts.tokens_dev)
         if self._ahead is not None:
             self._ahead.overlapped = True
             p.behind = True
@@ -620,6 +627,10 @@ class RoundExecutor:
             self._ahead_row.fill(-1)
         t_wait0 = time.perf_counter()
         host = finish_accept(p.accept)  # the one wait for the device
+        if p.drafts is not None:  # a deferred proposal's drafts (their copy came first)
+            p.drafts.resolve()
+            if p.draft_in_rows is not None:
+                p.input_ids[p.draft_in_rows] = _flat_drafts(p.drafts, dec)
         t_commit0 = time.perf_counter()
         slots = p.slots
         m = len(slots)
@@ -755,3 +766,13 @@ class RoundExecutor:
         for i, lp in zip(owners, lps):
             out.setdefault(i, []).append(lp)
         return {i: tuple(v) for i, v in out.items()}
+
+
+def _flat_drafts(drafts: DraftBatch, dec) -> np.ndarray:
+    """The drafts of a resolved batch flat in request (= row) order, each speculating request
+    of `dec` checked to have got exactly its planned number."""
+    spec = np.flatnonzero(dec.num_draft)
+    for s, d, toks in zip(dec.slots[spec].tolist(), dec.num_draft[spec].tolist(), drafts.tokens):
+        if len(toks) != d:
+            raise RuntimeError(f"slot {s}: plan has {d} drafts, the drafter gave {len(toks)}")
+    return np.asarray([t for toks in drafts.tokens for t in toks], dtype=np.int64)

@@ -7,7 +7,7 @@ and catch up on tokens they missed while the request decoded plainly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,7 +29,9 @@ class DraftRequest:
 
 @dataclass
 class DraftBatch:
-    tokens: list[list[int]]  # per request, exactly num_draft tokens
+    # per request, exactly num_draft tokens; None while a deferred proposal's drafts are still
+    # on the device (`tokens_dev`), until `resolve`
+    tokens: list[list[int]] | None
     # [sum(num_draft), vocab] float32 draft probabilities in request order, for exact rejection
     # sampling; None for deterministic drafters (point-mass rule).
     probs: torch.Tensor | None = None
@@ -37,6 +39,18 @@ class DraftBatch:
     # Forced acceptance (synthetic drafter only): per request the accepted count to report.
     forced_accept: list[int] | None = None
     extra: dict = field(default_factory=dict)
+    # [sum(num_draft)] int64 on the device, the drafts in request order (drafters whose drafts
+    # are made on the device): a deferred batch's consumer reads them there without waiting
+    tokens_dev: torch.Tensor | None = None
+    # fills `tokens`, `catchup_ms` and `extra` once the device is done (deferred batches only)
+    resolver: Callable[[DraftBatch], None] | None = field(default=None, repr=False)
+
+    def resolve(self) -> None:
+        """Waits for a deferred proposal (no-op otherwise): afterwards `tokens` and the timings
+        are on the host."""
+        if self.resolver is not None:
+            resolver, self.resolver = self.resolver, None
+            resolver(self)
 
 
 class Drafter(Protocol):
@@ -47,7 +61,13 @@ class Drafter(Protocol):
 
     def release(self, slot: int) -> None: ...
 
-    def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch: ...
+    def propose(
+        self, requests: list[DraftRequest], greedy: list[bool], defer: bool = False
+    ) -> DraftBatch:
+        """Drafts for `requests`. With `defer`, a drafter working on the device may return
+        before its drafts reach the host: `tokens` is then None and `tokens_dev` holds them
+        until `DraftBatch.resolve`; without it, `tokens` is filled. Host drafters ignore it."""
+        ...
 
     def commit(self, slot: int, context: Sequence[int], num_accepted: int, num_draft: int) -> None:
         """Called after every round in which `slot` speculated. Tokens of AR and prefill rounds

@@ -44,6 +44,7 @@ it costs its device time. The picked rows' logits are computed after the replay,
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -232,7 +233,9 @@ class DraftModelDrafter:
         return rows
 
     # -- drafting -----------------------------------------------------------------------------
-    def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch:
+    def propose(
+        self, requests: list[DraftRequest], greedy: list[bool], defer: bool = False
+    ) -> DraftBatch:
         if self.block_tables is None:
             raise RuntimeError("DraftModelDrafter needs the executor's block table (bind it)")
         clock = DeviceClock(self.device)  # start, after step 0, end of the chain
@@ -272,14 +275,19 @@ class DraftModelDrafter:
         step_off = np.concatenate([[0], np.cumsum([len(x) for x in steps])])  # [max_draft + 1]
         local = np.concatenate(steps)  # [E] index into `active` per entry
         width = -(-int((ctx_lens + num_drafts[active]).max()) // self.block_size)
+        # E = sum(num_draft): every draft is one entry of the step that makes it, so the drafts'
+        # flat index in request order (request * max_draft + j) fits the same E columns
+        draft_owner = np.repeat(np.arange(num_reqs), num_drafts)  # [E] request order
+        flat_index = draft_owner * max_draft + np.arange(len(local)) - draft_offsets[draft_owner]
         plan_i64 = np.stack(
             [
                 active[local],  # request index
                 local,  # row of the uploaded block-table rows
                 ctx_lens[local] - 1,  # position of the last committed token
                 draft_offsets[active[local]],  # first probs row of the request
+                flat_index,  # (request order, not step order) draft_tokens' flat index
             ]
-        )  # [4, E]
+        )  # [5, E]
         up_i64 = torch.from_numpy(plan_i64).to(dev, non_blocking=True)
         up_temps = torch.from_numpy(temps[active[local]]).to(dev, non_blocking=True)  # [E]
         up_tables = torch.from_numpy(np.ascontiguousarray(self.block_tables[slots, :width])).to(
@@ -302,29 +310,44 @@ class DraftModelDrafter:
         self._chain_steps(max_draft, steps, entries, up_tables, draft_tokens, probs)
 
         clock.mark()
-        t_wait = time.perf_counter()
-        tokens_host = draft_tokens.tolist()  # the one device->host copy of the drafts
-        wait_ms = (time.perf_counter() - t_wait) * 1e3
-        # Catch-up time: what step 0 cost beyond a plain chain step (the mean of steps 1..).
-        # A single draft has no plain step to compare with: then the catch-up rows' share of
-        # step 0 stands in.
-        catchup_ms = 0.0
-        if num_catchup_rows:
-            first_ms, chain_ms = clock.intervals_ms()
-            if max_draft > 1:
-                step_ms = chain_ms / (max_draft - 1)
-                catchup_ms = max(first_ms - step_ms, 0.0)
-            else:
-                catchup_ms = first_ms * num_catchup_rows / (num_catchup_rows + len(active))
-        tokens = [tokens_host[i][: int(num_drafts[i])] for i in range(num_reqs)]
-        return DraftBatch(
-            tokens=tokens,
-            probs=probs,
-            catchup_ms=catchup_ms,
+        tokens_dev = draft_tokens.view(-1).index_select(0, up_i64[4])  # [E] request order
+        done = None
+        if tokens_dev.is_cuda:  # into pinned memory, without waiting
+            tokens_host = torch.empty(len(local), dtype=torch.int64, pin_memory=True)
+            tokens_host.copy_(tokens_dev, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            tokens_host = tokens_dev
+
+        def resolve(batch: DraftBatch) -> None:
+            t_wait = time.perf_counter()
+            if done is not None:
+                done.synchronize()  # the drafts' one device->host copy
+            flat = tokens_host.tolist()
+            wait_ms = (time.perf_counter() - t_wait) * 1e3
+            # Catch-up time: what step 0 cost beyond a plain chain step (the mean of steps
+            # 1..). A single draft has no plain step to compare with: then the catch-up rows'
+            # share of step 0 stands in.
+            catchup_ms = 0.0
+            if num_catchup_rows:
+                first_ms, chain_ms = clock.intervals_ms()
+                if max_draft > 1:
+                    step_ms = chain_ms / (max_draft - 1)
+                    catchup_ms = max(first_ms - step_ms, 0.0)
+                else:
+                    catchup_ms = first_ms * num_catchup_rows / (num_catchup_rows + len(active))
+            batch.tokens = [flat[a:b] for a, b in itertools.pairwise(draft_offsets.tolist())]
+            batch.catchup_ms = catchup_ms
             # wait_ms: host time waiting for the device at the drafts' copy (host-bound
-            # drafting waits little, device-bound drafting much)
-            extra={"num_catchup_rows": num_catchup_rows, "wait_ms": wait_ms},
-        )
+            # drafting waits little, device-bound drafting much; a deferred batch resolved
+            # after the round's forward hardly at all)
+            batch.extra = {"num_catchup_rows": num_catchup_rows, "wait_ms": wait_ms}
+
+        batch = DraftBatch(tokens=None, probs=probs, tokens_dev=tokens_dev, resolver=resolve)
+        if not defer:
+            batch.resolve()
+        return batch
 
     def _step0(self, requests, active, ctx_lens, slots, entries0, draft_tokens, probs) -> int:
         """Step 0: per request the context rows the drafter has no KV for (at least the last

@@ -65,7 +65,9 @@ class NgramDrafter:
         self._buf.pop(slot, None)
         self._len.pop(slot, None)
 
-    def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch:
+    def propose(
+        self, requests: list[DraftRequest], greedy: list[bool], defer: bool = False
+    ) -> DraftBatch:
         tokens = []
         for r in requests:
             window = self._sync(r.slot, r.context)[-self.lookback :]

@@ -127,20 +127,29 @@ class SyntheticDrafter:
             return 0
         return self.inner.follow_prefill(slots, starts, chunks)
 
-    def propose(self, requests: list[DraftRequest], greedy: list[bool]) -> DraftBatch:
-        # the inner drafter's work is the cost being modelled; its tokens are not used
-        paid = self.inner.propose(requests, greedy) if self.inner is not None else None
+    def propose(
+        self, requests: list[DraftRequest], greedy: list[bool], defer: bool = False
+    ) -> DraftBatch:
+        # the inner drafter's work is the cost being modelled; its tokens are not used, so a
+        # deferred inner proposal is never waited for before the round's forward
+        paid = self.inner.propose(requests, greedy, defer) if self.inner is not None else None
         tokens, forced = [], []
         for r in requests:
             # drafts stand for the generated tokens at context positions len(context) ..
             first_token = len(r.context) - self._base_len[r.slot]
             forced.append(self._traces[r.slot].num_accepted(first_token, r.num_draft))
             tokens.append([r.context[-1]] * r.num_draft)  # placeholders, never compared
-        if paid is None:
-            return DraftBatch(tokens=tokens, forced_accept=forced)
-        return DraftBatch(
-            tokens=tokens, forced_accept=forced, catchup_ms=paid.catchup_ms, extra=paid.extra
-        )
+        batch = DraftBatch(tokens=tokens, forced_accept=forced)
+        if paid is not None:
+
+            def timings(b: DraftBatch) -> None:
+                paid.resolve()
+                b.catchup_ms, b.extra = paid.catchup_ms, paid.extra
+
+            batch.resolver = timings
+            if not defer:
+                batch.resolve()
+        return batch
 
     def commit(self, slot: int, context: list[int], num_accepted: int, num_draft: int) -> None:
         # The trace is indexed by generated token: nothing of it moves per round.

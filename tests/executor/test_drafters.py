@@ -361,8 +361,8 @@ def test_executor_reports_the_synthetic_accepted_counts(tmp_path_factory):
     forced_log: list[list[int]] = []
     original = SyntheticDrafter.propose
 
-    def recording_propose(self, requests, greedy):
-        batch = original(self, requests, greedy)
+    def recording_propose(self, requests, greedy, defer=False):
+        batch = original(self, requests, greedy, defer)
         forced_log.append(list(batch.forced_accept))
         return batch
 

@@ -125,8 +125,8 @@ class MisreportingDrafter(DraftModelDrafter):
     """Broken on purpose: drafts from q but reports q**3 (renormalised) as its distribution, so
     rejection sampling corrects for the wrong q. The sampled test must catch it."""
 
-    def propose(self, requests, greedy):
-        batch = super().propose(requests, greedy)
+    def propose(self, requests, greedy, defer=False):
+        batch = super().propose(requests, greedy, defer)
         if batch.probs is not None:
             cubed = batch.probs**3
             batch.probs = cubed / cubed.sum(dim=-1, keepdim=True)
@@ -205,9 +205,17 @@ def run_requests(
     if drafter is not None:
         propose = drafter.propose
 
-        def counted(requests, greedy):
-            batch = propose(requests, greedy)
-            log.num_catchup_rows += batch.extra.get("num_catchup_rows", 0)
+        def counted(requests, greedy, defer=False):
+            batch = propose(requests, greedy, defer)  # deferred as the executor asks
+
+            def count(b):
+                log.num_catchup_rows += b.extra.get("num_catchup_rows", 0)
+
+            if batch.resolver is None:
+                count(batch)
+            else:
+                resolver = batch.resolver
+                batch.resolver = lambda b: (resolver(b), count(b))
             return batch
 
         drafter.propose = counted
@@ -607,3 +615,71 @@ def test_sampled_spec_has_the_target_distribution(small_models, drafter_kind):
 def test_sampled_check_catches_a_misreported_draft_distribution(small_models):
     pvalue, dof, _ = sample_joint(small_models, "draft-misreported")
     assert pvalue < ALPHA, f"chi-square p = {pvalue:.2e} over {dof} dof"
+
+
+# -- drafts taken on the device ----------------------------------------------------------------
+DEFERRED_WORKLOADS = {
+    "greedy-and-sampled": [
+        GREEDY,
+        SamplingSpec(temperature=0.8, seed=11),
+        SamplingSpec(temperature=1.0, seed=12),
+        GREEDY,
+    ],
+    "penalised": [
+        GREEDY,
+        SamplingSpec(repetition_penalty=1.4, presence_penalty=0.6),
+        SamplingSpec(temperature=0.7, seed=5, frequency_penalty=0.5),
+        SamplingSpec(temperature=0.9, seed=6),
+    ],
+}
+
+
+@pytest.mark.parametrize("workload", sorted(DEFERRED_WORKLOADS))
+def test_deferred_drafts_change_no_output(models, monkeypatch, workload):
+    """The executor takes a draft model's drafts on the device: the round's batch is built while
+    the chain runs and the drafts are copied into its rows there (deferred). Runs with the
+    drafts waited for on the host first give the same tokens, for greedy, seeded sampled and
+    penalised requests (penalties count the drafts on the host, so those rounds take them at
+    launch)."""
+    vocab = models["target"].config.vocab_size
+    samplings = DEFERRED_WORKLOADS[workload]
+    original = DraftModelDrafter.propose
+    launch = RoundExecutor.launch
+    penalised_launches = []
+
+    def checked_launch(self, plan):
+        # penalties read the drafts on the host at launch: they must be there, not placeholders
+        p = launch(self, plan)
+        if p.drafts is not None and self.penalised[p.slots].any():
+            penalised_launches.append(p.drafts.tokens is not None)
+        return p
+
+    monkeypatch.setattr(RoundExecutor, "launch", checked_launch)
+    runs, deferred = {}, {}
+    for defer in (True, False):
+        deferred[defer] = []
+
+        def propose(self, requests, greedy, defer_asked=False, defer=defer):
+            batch = original(self, requests, greedy, defer and defer_asked)
+            deferred[defer].append(batch.tokens is None)
+            return batch
+
+        monkeypatch.setattr(DraftModelDrafter, "propose", propose)
+        rng = np.random.default_rng(21)
+        specs = [
+            RequestSpec(
+                req_id=i,
+                prompt_token_ids=random_prompt(rng, vocab),
+                sampling=sampling,
+                max_tokens=int(rng.integers(10, 40)),
+            )
+            for i, sampling in enumerate(samplings)
+        ]
+        log = run_requests(models, specs, "draft-near", rng, p_spec=0.8)
+        runs[defer] = (log.outputs, log.num_drafted, log.num_accepted)
+    assert runs[True] == runs[False]
+    assert runs[True][2] > 0
+    # deferred proposals reached the executor unresolved; without defer none did
+    assert any(deferred[True]) and not any(deferred[False])
+    if workload == "penalised":
+        assert penalised_launches and all(penalised_launches)

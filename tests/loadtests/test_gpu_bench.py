@@ -210,7 +210,7 @@ class RecordingDrafter:
     def release(self, slot):
         self.calls.append(("release", slot))
 
-    def propose(self, requests, greedy):
+    def propose(self, requests, greedy, defer=False):
         self.calls.append(("propose", [(r.slot, r.num_draft) for r in requests]))
         return DraftBatch(tokens=[[7] * r.num_draft for r in requests], catchup_ms=1.5)
 
