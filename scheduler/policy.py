@@ -56,6 +56,14 @@ PROBE_RECHECK_ROUNDS = 64
 # within +-0.5% but mixed C = 2 (1.087x -> 1.075x); refill at C = 64 0.2-0.4% lower (the
 # fill's probes are deeper).
 PROBE_DEPTH_SURVIVAL = 0.5
+# A request that has never drafted is probed once on its own (AdaptivePolicy.first_probe) when the
+# probe, its catch-up included, costs at most this share of the batch time the request will
+# take (its remaining tokens x the AR round / the batch size), and speculation could pay at all
+# (probe_can_pay). The global probe asks only while the prior rests on little evidence: on a
+# mixed workload the prior learned from the requests before says nothing of the next one, and
+# a code-like request after a prose-like one was never tried (H200, mixed at C = 1: after the
+# first request's 23 speculating rounds every later request stayed in AR, 0.81x all-spec).
+PROBE_NEW_SHARE = 0.015
 # Entry margin: a plan in which nobody speculated last round and whose entrants must catch their
 # drafters up is taken only at a predicted gain of at least ENTRY_MARGIN x the entrants' share
 # of the batch. Such an entry is priced with its catch-up spread over the SPEC rounds the
@@ -236,6 +244,10 @@ class SpecStretches:
             self._spec_rounds[slots[fresh]] = 0.0
             self._exits[slots[fresh]] = 0.0
         return slots
+
+    def never_drafted(self, view: DecodeView) -> np.ndarray:
+        """[n] requests that have not drafted yet (a probe counts as a SPEC round here)."""
+        return self._spec_rounds[self._rows(view)] == 0
 
     def expected_rounds(self, view: DecodeView) -> np.ndarray:
         """[n] expected SPEC rounds of each request's next stretch."""
@@ -530,14 +542,19 @@ class AdaptivePolicy:
         if entry and full_catchup[spec].sum() > 0 and gain < ENTRY_MARGIN * spec.mean():
             num_draft, held = np.zeros_like(num_draft), " entry below margin"
         probe = ""
-        if not num_draft.any() and needs_probe and may_probe.any():
+        first = np.zeros(n, dtype=bool)
+        if not num_draft.any() and not needs_probe and may_probe.any():
+            first = may_probe & self.first_probe(view, survival, full_catchup, one_step, choice)
+        if not num_draft.any() and (needs_probe or first.any()) and may_probe.any():
             check = self._probe_check
             check[0] += 1
             if check[0] >= PROBE_RECHECK_ROUNDS or check[1] != n:
                 can_pay = self.probe_can_pay(view, estimator, cost_model, basis, catchup)
                 check[:] = [0, n, can_pay]
             if check[2]:
-                num_draft, probe = self.probe(view, may_probe, survival), " probe"
+                eligible = may_probe if needs_probe else first
+                num_draft, probe = self.probe(view, eligible, survival), " probe"
+                probe += "" if needs_probe else " (new request)"
                 self._probe_req_id = int(view.req_ids[np.flatnonzero(num_draft)[0]])
         self.stretches.observe(view, num_draft)
         num_spec = int(np.count_nonzero(num_draft))
@@ -578,6 +595,18 @@ class AdaptivePolicy:
         ms_per_token_ar = choice.ar_ms / choice.ar_tokens
         ms_per_token_spec = choice.predicted_ms / choice.predicted_tokens
         return num_tokens * (ms_per_token_ar - ms_per_token_spec) > follow_ms
+
+    def first_probe(self, view, survival, full_catchup, one_step: float, choice) -> np.ndarray:
+        """[n] requests that have never drafted and whose probe is cheap against their life
+        (see PROBE_NEW_SHARE): its catch-up and chain steps over the batch time the request's
+        remaining tokens take, its share of the batch's AR rounds."""
+        never = self.stretches.never_drafted(view)
+        if not never.any():
+            return never
+        depth = np.maximum(np.count_nonzero(survival >= PROBE_DEPTH_SURVIVAL, axis=1), 1)
+        probe_ms = full_catchup + depth * one_step  # [n]
+        life_ms = view.num_remaining * choice.ar_ms / len(view.req_ids)  # [n]
+        return never & (probe_ms <= PROBE_NEW_SHARE * life_ms)
 
     def wants_probe(self, estimator: AcceptanceEstimator) -> bool:
         return estimator.needs_probe()

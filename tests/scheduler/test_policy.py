@@ -111,7 +111,8 @@ def test_route_string_and_stats_describe_the_round():
 
 
 class _FixedSurvival(AdaptivePolicy):
-    """The adaptive policy fed with a given survival curve instead of the estimator's."""
+    """The adaptive policy fed with a given survival curve instead of the estimator's, without
+    probes (there is no estimator to learn from them)."""
 
     def __init__(self, hysteresis, min_dwell_rounds):
         super().__init__(hysteresis, min_dwell_rounds)
@@ -122,6 +123,9 @@ class _FixedSurvival(AdaptivePolicy):
 
     def wants_probe(self, estimator):
         return False
+
+    def first_probe(self, view, *args):
+        return np.zeros(len(view.req_ids), dtype=bool)
 
 
 def _view(was_spec, in_dwell, n=16, lag=0):

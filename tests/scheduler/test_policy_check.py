@@ -307,6 +307,32 @@ def test_a_probe_drafts_as_deep_as_its_request_is_likely_to_survive():
     assert probe.num_draft.tolist() == [0, 0, 2, 0] and "probe" in probe.reason and probe.probe
 
 
+def test_a_request_that_never_drafted_is_probed_once_when_cheap_against_its_life():
+    """With a prior that says AR and plenty of evidence behind it (no global probe), a request
+    that has never drafted is still probed once where the probe costs at most PROBE_NEW_SHARE
+    of the batch time its remaining tokens take: alone with many tokens left, not in a batch of
+    16 with a whole prompt to catch up."""
+    from scheduler.policy import PROBE_NEW_SHARE
+
+    est = AcceptanceEstimator(num_slots=16, max_drafts=7, prior_acceptance=0.3)
+    for _ in range(2):
+        est.observe(np.arange(4), np.ones(4, dtype=np.int64), np.zeros(4, dtype=np.int64))
+    assert not est.needs_probe()
+    policy = AdaptivePolicy()
+    alone = decode_view(1, lag=40, remaining=2000)
+    first = policy.decide(alone, est, MODEL)
+    assert first.num_draft.tolist() == [1] and first.probe and "new request" in first.reason
+    again = policy.decide(alone, est, MODEL)  # probed already: its own belief decides now
+    assert not again.num_draft.any() and not again.probe
+    # the same request with few tokens left: the probe would cost more than the share
+    short = AdaptivePolicy().decide(decode_view(1, lag=40, remaining=20), est, MODEL)
+    assert not short.num_draft.any()
+    # 16 requests catching up on 1000-token prompts: each one's probe is dear against its share
+    batch = decode_view(16, lag=1000, remaining=128)
+    assert not AdaptivePolicy().decide(batch, est, MODEL).num_draft.any()
+    assert 0 < PROBE_NEW_SHARE < 0.05
+
+
 def test_calibration_scales_positions_by_realized_over_predicted():
     est = AcceptanceEstimator(num_slots=8, max_drafts=4, prior_acceptance=0.7)
     slots = np.arange(8)
