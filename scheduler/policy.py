@@ -62,7 +62,11 @@ PROBE_DEPTH_SURVIVAL = 0.5
 # (probe_can_pay). The global probe asks only while the prior rests on little evidence: on a
 # mixed workload the prior learned from the requests before says nothing of the next one, and
 # a code-like request after a prose-like one was never tried (H200, mixed at C = 1: after the
-# first request's 23 speculating rounds every later request stayed in AR, 0.81x all-spec).
+# first request's 23 speculating rounds every later request stayed in AR, 0.81x all-spec; with
+# this rule, in a reduced H200 check, 1.125x). In the simulator (6 seeds, C = 1..32, two H200
+# profiles): mixed text at C = 1..4 +1-6%, prose-like text at C = 1 -0.2-0.6%; 0.02 and 0.03
+# gained up to 2% more on mixed C = 2..4 and cost prose-like C = 2..4 up to 0.8% more
+# (docs/perf/scheduler.md).
 PROBE_NEW_SHARE = 0.015
 # Entry margin: a plan in which nobody speculated last round and whose entrants must catch their
 # drafters up is taken only at a predicted gain of at least ENTRY_MARGIN x the entrants' share
