@@ -23,14 +23,13 @@ Writes `OUT/context_probe.json` and prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from loadtests.cli_args import int_tuple
+from loadtests.probes import probe_engine, probe_parser, write_report
 
 
 def _pairs(text: str) -> tuple[tuple[int, int], ...]:
@@ -124,15 +123,7 @@ def probe_rounds(engine, shapes, context, repeats, rng) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python3 -m loadtests.context_probe",
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
-    )
-    ap.add_argument("--out", required=True, help="folder for context_probe.json")
-    ap.add_argument("--model", default="random:qwen3-8b")
-    ap.add_argument("--draft", default="random:qwen3-0.6b")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap = probe_parser("context_probe", __doc__, "context_probe.json")
     ap.add_argument("--context", type=int, default=1024, help="mean context per sequence")
     ap.add_argument("--draft-counts", default="8,16,32,64", help="requests per proposal")
     ap.add_argument("--drafts", type=int, default=7, help="drafts per request")
@@ -153,24 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.context < 2 or args.drafts < 1 or args.repeats < 1 or not (counts or shapes):
         print("context_probe: need --context >= 2, --drafts >= 1, --repeats >= 1", file=sys.stderr)
         return 2
-    from hipfire_serve.config import EngineConfig
-    from hipfire_serve.engine import Engine
-
-    depth = max((r for _, r in shapes), default=1)
-    longest = args.context * 3 // 2
-    engine = Engine(
-        EngineConfig(
-            model=args.model,
-            draft=args.draft,
-            device=args.device,
-            dtype=args.dtype,
-            max_concurrency=max((k for k, _ in shapes), default=1),
-            spec_depth=max(depth, args.drafts + 1),
-            kv_cache_memory=args.kv_cache_memory,
-            max_model_len=longest + max(depth, args.drafts + 1) + 16,
-            graphs="lazy",
-            spec_mode="ar",
-        )
+    depth = max(max((r for _, r in shapes), default=1), args.drafts + 1)
+    engine = probe_engine(
+        args,
+        max((k for k, _ in shapes), default=1),
+        depth,
+        args.context * 3 // 2 + depth + 16,
     )
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
@@ -180,25 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         rows += probe_proposals(model, counts, args.drafts, args.context, args.repeats, rng)
     if shapes:
         rows += probe_rounds(engine, shapes, args.context, args.repeats, rng)
-    device = engine.target.device
-    name = "cpu"
-    if device.type == "cuda":
-        import torch
-
-        name = torch.cuda.get_device_name(device)
-    report = {
-        "device": name,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    fields = {
         "model": args.model,
         "draft": args.draft,
         "context": args.context,
         "repeats": args.repeats,
-        "elapsed_s": round(time.perf_counter() - t0, 1),
         "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "context_probe.json").write_text(json.dumps(report, indent=1))
+    write_report(args.out, "context_probe.json", engine.target.device, fields, t0)
     print(
         f"{'kind':<14} {'shape':<16} {'mean':>6} {'max':>5} {'uniform':>8} {'ragged':>8} "
         f"{'at max':>8} {'mean-based':>10}"

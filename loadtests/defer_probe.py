@@ -20,13 +20,12 @@ depth), the median wall time of `Engine.step` and the median of the round's phas
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from loadtests.cli_args import int_tuple
+from loadtests.probes import probe_engine, probe_parser, write_report
 from loadtests.table import render
 
 MODES = ("deferred", "waited")
@@ -99,15 +98,7 @@ def summary(runs: list[dict]) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python3 -m loadtests.defer_probe",
-        description=__doc__.split("\n\n")[0].replace("\n", " "),
-    )
-    ap.add_argument("--out", required=True, help="folder for defer_probe.json")
-    ap.add_argument("--model", default="random:qwen3-8b")
-    ap.add_argument("--draft", default="random:qwen3-0.6b")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap = probe_parser("defer_probe", __doc__, "defer_probe.json")
     ap.add_argument("--concurrency", default="1,4,16,64", help="speculating requests per round")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
     ap.add_argument("--spec-depth", type=int, default=8)
@@ -130,49 +121,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.repeats < 1 or args.spec_depth < 2:
         print("defer_probe: need --steps >= 1, --repeats >= 1, --spec-depth >= 2", file=sys.stderr)
         return 2
-    from hipfire_serve.config import EngineConfig
-    from hipfire_serve.engine import Engine
-
     tokens = (args.steps + 16) * args.spec_depth  # what _engine_steps lets a request emit
-    engine = Engine(
-        EngineConfig(
-            model=args.model,
-            draft=args.draft,
-            device=args.device,
-            dtype=args.dtype,
-            max_concurrency=max(concurrencies),
-            spec_depth=args.spec_depth,
-            kv_cache_memory=args.kv_cache_memory,
-            max_model_len=args.context + tokens + args.spec_depth + 16,
-            graphs="lazy",
-            spec_mode="ar",
-        )
+    engine = probe_engine(
+        args, max(concurrencies), args.spec_depth, args.context + tokens + args.spec_depth + 16
     )
     if not hasattr(engine.executor.drafter, "model"):
         print("defer_probe: --draft must name a draft model", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     runs = probe(engine, concurrencies, args.context, args.steps, args.repeats)
-    device = engine.target.device
-    name = "cpu"
-    if device.type == "cuda":
-        import torch
-
-        name = torch.cuda.get_device_name(device)
-    report = {
-        "device": name,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    fields = {
         "model": args.model,
         "draft": args.draft,
         "context": args.context,
         "spec_depth": args.spec_depth,
-        "elapsed_s": round(time.perf_counter() - t0, 1),
         "summary": summary(runs),
         "runs": runs,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "defer_probe.json").write_text(json.dumps(report, indent=1))
+    report = write_report(args.out, "defer_probe.json", engine.target.device, fields, t0)
     rows = [
         [
             str(s["concurrency"]),

@@ -45,6 +45,7 @@ from executor.profiler import random_setups
 from executor.round_executor import RoundExecutor
 from loadtests.cli_args import int_tuple
 from loadtests.compile_log import CompileLog
+from loadtests.probes import device_name, probe_engine
 from scheduler.kv_blocks import BlockPool
 from scheduler.plan import Mode, ReqPlan, RoundPlan, SamplingSpec, SeqSetup
 
@@ -499,24 +500,13 @@ def refill_replay(
 
 # -- the whole probe --------------------------------------------------------------------------
 def build_engine(args):
-    from hipfire_serve.config import EngineConfig
-    from hipfire_serve.engine import Engine
-
     slots = max((args.decode_rows, *int_tuple(args.seq_scan))) + 1
-    return Engine(
-        EngineConfig(
-            model=args.model,
-            draft=args.draft,
-            device=args.device,
-            dtype=args.dtype,
-            max_concurrency=max(slots, 2),
-            spec_depth=args.draft_depth,
-            kv_cache_memory=args.kv_cache_memory,
-            graphs="lazy",
-            max_model_len=args.max_model_len,
-            spec_mode="ar",
-            cost_profile=args.profile or "auto",
-        )
+    return probe_engine(
+        args,
+        max(slots, 2),
+        args.draft_depth,
+        args.max_model_len,
+        cost_profile=args.profile or "auto",
     )
 
 
@@ -627,7 +617,7 @@ def run_probe(args, device: torch.device, log: CompileLog, out: Path) -> dict:
     t_start = time.perf_counter()
     cache_before = _cache_entries()
     record: dict = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "torch": torch.__version__,
         "triton": _triton_version(),

@@ -273,6 +273,19 @@ def random_prompt(rng: np.random.Generator, vocab: int) -> tuple[int, ...]:
     return tuple(tokens[:length])
 
 
+def random_specs(rng: np.random.Generator, vocab: int, samplings) -> list[RequestSpec]:
+    """One request per sampling spec: a random prompt and 10-39 tokens to generate."""
+    return [
+        RequestSpec(
+            req_id=i,
+            prompt_token_ids=random_prompt(rng, vocab),
+            sampling=sampling,
+            max_tokens=int(rng.integers(10, 40)),
+        )
+        for i, sampling in enumerate(samplings)
+    ]
+
+
 def ar_reference(models, prompts: list[tuple[int, ...]], max_tokens: list[int]) -> list[list[int]]:
     specs = [
         RequestSpec(req_id=i, prompt_token_ids=p, sampling=GREEDY, max_tokens=m)
@@ -440,15 +453,7 @@ def test_draft_model_writes_stay_inside_blocks_the_plan_allocated(models):
     the right table index, below num_computed + 1 + num_draft."""
     rng = np.random.default_rng(7)
     vocab = models["target"].config.vocab_size
-    specs = [
-        RequestSpec(
-            req_id=i,
-            prompt_token_ids=random_prompt(rng, vocab),
-            sampling=GREEDY,
-            max_tokens=int(rng.integers(10, 40)),
-        )
-        for i in range(6)
-    ]
+    specs = random_specs(rng, vocab, [GREEDY] * 6)
     state: dict = {}
     num_checked = [0]
 
@@ -666,15 +671,7 @@ def test_deferred_drafts_change_no_output(models, monkeypatch, workload):
 
         monkeypatch.setattr(DraftModelDrafter, "propose", propose)
         rng = np.random.default_rng(21)
-        specs = [
-            RequestSpec(
-                req_id=i,
-                prompt_token_ids=random_prompt(rng, vocab),
-                sampling=sampling,
-                max_tokens=int(rng.integers(10, 40)),
-            )
-            for i, sampling in enumerate(samplings)
-        ]
+        specs = random_specs(rng, vocab, samplings)
         log = run_requests(models, specs, "draft-near", rng, p_spec=0.8)
         runs[defer] = (log.outputs, log.num_drafted, log.num_accepted)
     assert runs[True] == runs[False]
