@@ -216,6 +216,42 @@ def test_sampled_draft_distribution_is_the_softmax_at_the_request_temperature(dr
     assert greedy.tokens[0][0] == int(next_token_probs(draft_model, context, 1.0).argmax())
 
 
+def test_a_deferred_proposal_holds_its_drafts_on_the_device_until_resolved(draft_model):
+    """`propose(defer=True)` returns the drafts on the device (request order) and fills the host
+    tokens and timings only at `resolve`; they equal an undeferred proposal's. A synthetic
+    drafter paying this drafter's cost keeps its placeholders and takes the timings at
+    resolve."""
+    rng = np.random.default_rng(3)
+    vocab = draft_model.config.vocab_size
+    contexts = {s: rng.integers(1, vocab, 12 + 5 * s).tolist() for s in (0, 1, 2)}
+    blocks = {s: list(range(16 * s, 16 * s + 16)) for s in contexts}
+    pair = [make_drafter(draft_model, blocks), make_drafter(draft_model, blocks)]
+    for d in pair:
+        for s, ctx in contexts.items():
+            d.setup(s, ctx)
+    reqs = [DraftRequest(s, contexts[s], n) for s, n in ((0, 3), (1, 0), (2, 5))]
+    deferred = pair[0].propose(reqs, [True] * 3, defer=True)
+    assert deferred.tokens is None and deferred.tokens_dev.shape == (8,)
+    plain = pair[1].propose(reqs, [True] * 3)
+    assert plain.resolver is None and [len(t) for t in plain.tokens] == [3, 0, 5]
+    assert deferred.tokens_dev.tolist() == [t for toks in plain.tokens for t in toks]
+    deferred.resolve()
+    assert deferred.tokens == plain.tokens and deferred.resolver is None
+    assert deferred.extra["num_catchup_rows"] == plain.extra["num_catchup_rows"] > 0
+    deferred.resolve()  # (a second resolve changes nothing)
+    assert deferred.tokens == plain.tokens
+
+    inner = make_drafter(draft_model, blocks)
+    paying = SyntheticDrafter(ACCEPTANCE_PROFILE, "code", seed=1, inner=inner)
+    for s, ctx in contexts.items():
+        paying.setup(s, ctx)
+    batch = paying.propose(reqs, [True] * 3, defer=True)
+    assert [len(t) for t in batch.tokens] == [3, 0, 5] and len(batch.forced_accept) == 3
+    assert batch.extra == {} and batch.resolver is not None  # the cost drafter still runs
+    batch.resolve()
+    assert batch.extra["num_catchup_rows"] == plain.extra["num_catchup_rows"]
+
+
 def test_release_and_setup_reset_the_slot(draft_model):
     drafter = make_drafter(draft_model, {0: list(range(NUM_BLOCKS))})
     drafter.setup(0, list(range(1, 20)))
