@@ -1,6 +1,14 @@
-"""Re-derives a `hipfire-serve bench` record's figures from its step records.
+"""Re-derives a `hipfire-serve bench` record's figures from its step records, or pools the runs
+of several records of the same workload.
 
-    python -m loadtests.gpu_bench_rederive RECORD.json --out DIR
+    python -m loadtests.gpu_bench_rederive RECORD.json [MORE.json ...] --out DIR
+
+Several records (benchmarks of the same workload, each within one call's time budget, so that
+together they hold more repeats): every record kept with `--keep-rounds` is re-derived first,
+then their runs are pooled, each record's repeats numbered after the previous record's. The
+summary, comparisons and targets are computed over the pooled runs; the profile, roofline, GPU
+idle and device are the first record's, and each point's simulator figures the first record's
+that has them. A note lists the pooled records.
 
 The record must keep every step (`--keep-rounds`). Each run's figures are recomputed from its
 steps with the current accounting (`gpu_bench_runs.summarize_steps`), then the summary, the
@@ -58,20 +66,7 @@ def rederive(record: dict) -> dict:
             figures["num_tokens"], figures["refill_tok_s"] = run["num_tokens"], run["refill_tok_s"]
         run.update(figures)
         run["steps"] = [dataclasses.asdict(s) for s in steps]
-    sims = {
-        (r["policy"], r["drafter"], r["cohort"], r["concurrency"]): r["sim"]
-        for r in record["summary"]
-        if r.get("sim")
-    }
-    cfg = record["config"]
-    summary = report.summarize(record["runs"], sims)
-    points = [tuple(p) for p in cfg["points"]]
-    comparisons = report.compare_policies(summary, points, cfg["concurrency"])
-    record["summary"] = summary
-    record["comparisons"] = comparisons
-    record["targets"] = report.check_targets(
-        comparisons, summary, record["roofline"], record["idle"]
-    )
+    refigure(record, _sims(record))
     if converted:
         record.setdefault("notes", []).append(
             "figures re-derived from the step records (python -m loadtests.gpu_bench_rederive): "
@@ -81,13 +76,104 @@ def rederive(record: dict) -> dict:
     return record
 
 
+def _sims(record: dict) -> dict[tuple, dict]:
+    """(policy, drafter, cohort, C) -> the record's simulator figures for that point."""
+    return {
+        (r["policy"], r["drafter"], r["cohort"], r["concurrency"]): r["sim"]
+        for r in record["summary"]
+        if r.get("sim")
+    }
+
+
+def refigure(record: dict, sims: dict[tuple, dict]) -> None:
+    """The record's summary, comparisons and targets computed again from its runs and `sims`."""
+    cfg = record["config"]
+    summary = report.summarize(record["runs"], sims)
+    points = [tuple(p) for p in cfg["points"]]
+    comparisons = report.compare_policies(summary, points, cfg["concurrency"])
+    record["summary"] = summary
+    record["comparisons"] = comparisons
+    record["targets"] = report.check_targets(
+        comparisons, summary, record["roofline"], record["idle"]
+    )
+
+
+# What records must share to be pooled: the workload and the models.
+SAME_WORKLOAD = (
+    "model",
+    "prompt_len",
+    "max_tokens",
+    "waves",
+    "min_requests",
+    "spec_depth",
+    "max_prefill_tokens",
+    "drafter_follows_prefill",
+    "acceptance",
+    "seed",
+)
+
+
+def pool(records: list[dict]) -> dict:
+    """The runs of `records` in one record (see the module doc). Raises ValueError when the
+    records' workloads differ."""
+    first = records[0]
+    for other in records[1:]:
+        for key in SAME_WORKLOAD:
+            a, b = first["config"].get(key), other["config"].get(key)
+            if a != b:
+                raise ValueError(f"records differ in {key}: {a!r} against {b!r}")
+        if other.get("step_tokens") != first.get("step_tokens"):
+            raise ValueError("records count a step's tokens differently (re-derive them first)")
+    pooled = dict(first)
+    runs, skipped, sims, points, concurrency = [], [], {}, [], set()
+    offset = 0
+    for rec in records:
+        repeats = [r["repeat"] for r in rec["runs"]] + [s["repeat"] for s in rec["skipped"]]
+        runs += [{**r, "repeat": r["repeat"] + offset} for r in rec["runs"]]
+        skipped += [{**s, "repeat": s["repeat"] + offset} for s in rec["skipped"]]
+        offset += max(repeats, default=-1) + 1
+        for key, sim in _sims(rec).items():
+            sims.setdefault(key, sim)
+        points += [p for p in rec["config"]["points"] if p not in points]
+        concurrency |= set(rec["config"]["concurrency"])
+    pooled["runs"], pooled["skipped"] = runs, skipped  # (each record's runs not made)
+    pooled["config"] = {
+        **first["config"],
+        "points": points,
+        "concurrency": sorted(concurrency),
+        "repeats": offset,
+    }
+    pooled["notes"] = [
+        *first.get("notes", []),
+        "runs pooled from "
+        + "; ".join(
+            f"{rec['device']} {rec['date']} ({len(rec['runs'])} runs, "
+            f"{rec.get('elapsed_s', 0):.0f} s)"
+            for rec in records
+        )
+        + " (python -m loadtests.gpu_bench_rederive); profile, roofline and GPU idle from the "
+        "first",
+    ]
+    refigure(pooled, sims)
+    return pooled
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("record", help="gpu.json written with --keep-rounds")
-    ap.add_argument("--out", required=True, help="folder for the re-derived record")
+    ap.add_argument(
+        "records", nargs="+", help="gpu.json records (kept with --keep-rounds to re-derive)"
+    )
+    ap.add_argument("--out", required=True, help="folder for the re-derived or pooled record")
     args = ap.parse_args(argv)
     try:
-        record = rederive(json.loads(Path(args.record).read_text()))
+        records = [json.loads(Path(p).read_text()) for p in args.records]
+        if len(records) == 1:
+            record = rederive(records[0])
+        else:
+            records = [
+                rederive(r) if all(run.get("steps") for run in r["runs"]) else r for r in records
+            ]
+            record = pool(records)
     except (OSError, ValueError, KeyError) as e:
         print(f"gpu_bench_rederive: {e!r}", file=sys.stderr)
         return 2

@@ -615,3 +615,45 @@ def test_an_older_record_gets_its_rounds_tokens_back(quick_record):
         assert new["full_live_tok_s"] == pytest.approx(old["full_live_tok_s"])
         assert new["refill_tok_s"] == pytest.approx(old["refill_tok_s"])
     assert "re-derived" in again["notes"][-1]
+
+
+def test_records_of_one_workload_are_pooled(quick_record, tmp_path):
+    """Two records of the same workload pool into one: every run of both, the second's repeats
+    numbered after the first's, figures over all of them (two copies of one record: the same
+    means, twice the repeats); records of different workloads are refused with one line."""
+    import copy
+
+    from loadtests.gpu_bench_rederive import main as rederive_main
+    from loadtests.gpu_bench_rederive import pool
+
+    record, _ = quick_record
+    pooled = pool([copy.deepcopy(record), copy.deepcopy(record)])
+    first_repeats = {r["repeat"] for r in record["runs"]}
+    assert len(pooled["runs"]) == 2 * len(record["runs"])
+    shift = max(first_repeats) + 1
+    assert {r["repeat"] for r in pooled["runs"]} == first_repeats | {
+        r + shift for r in first_repeats
+    }
+    assert pooled["config"]["repeats"] == 2 * shift
+    for old, new in zip(record["summary"], pooled["summary"]):
+        assert new["num_repeats"] == 2 * old["num_repeats"]
+        if old["full_live_tok_s"]:
+            assert new["full_live_tok_s"]["mean"] == pytest.approx(old["full_live_tok_s"]["mean"])
+        assert new["sim"] == old["sim"]
+    assert [c["vs_best"] for c in pooled["comparisons"]] == pytest.approx(
+        [c["vs_best"] for c in record["comparisons"]]
+    )
+    assert "pooled from" in pooled["notes"][-1]
+    # the command line: two records in, one pooled record out; another workload refused
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(record))
+    b.write_text(json.dumps(record))
+    assert rederive_main([str(a), str(b), "--out", str(tmp_path / "pooled")]) == 0
+    written = json.loads((tmp_path / "pooled" / "gpu.json").read_text())
+    assert len(written["runs"]) == 2 * len(record["runs"])
+    other = copy.deepcopy(record)
+    other["config"]["max_tokens"] += 1
+    b.write_text(json.dumps(other))
+    assert rederive_main([str(a), str(b), "--out", str(tmp_path / "no")]) == 2
+    with pytest.raises(ValueError, match="max_tokens"):
+        pool([record, other])
