@@ -744,6 +744,31 @@ def time_spec_round_ratio(
     return out
 
 
+def drafter_spec_terms(engine, profile: dict, drafter) -> dict:
+    """The profile's speculating terms that depend on the drafter, measured with `drafter` in
+    the engine in place of its own (put back afterwards): `spec_host_ms_per_round` (the host
+    time around its rounds) and then `spec_round_ratio` against `profile` priced with that host
+    time (so `profile` should carry the drafter's own cost terms, e.g. `drafter_host`). A
+    profile measured with a draft model prices a prompt-lookup drafter's rounds by these:
+    verify rounds without a chain before them pay their host time and overlap differently. The
+    engine is idle before and after.
+    -> {"spec_host_ms_per_round": [...], "spec_round_ratio": [...]}"""
+    ex = engine.executor
+    saved = engine.drafter, ex.drafter, ex.drafter_follows_prefill
+    engine.drafter = ex.drafter = drafter
+    ex.drafter_follows_prefill = False
+    try:
+        points = _host_points(ex.max_slots)
+        host = time_engine_overhead(engine, points, spec_mode="spec")
+        priced = {**profile, "target": {**profile["target"], "spec_host_ms_per_round": host}}
+        priced["target"].pop("spec_round_ratio", None)
+        ref = profile["target"].get("ref_kv_len") or 1024
+        ratio = time_spec_round_ratio(engine, priced, points, ref)
+    finally:
+        engine.drafter, ex.drafter, ex.drafter_follows_prefill = saved
+    return {"spec_host_ms_per_round": host, "spec_round_ratio": ratio}
+
+
 def _interp(points: list[list[float]], x: float) -> float:
     xs = [p[0] for p in points]
     ys = [p[1] for p in points]

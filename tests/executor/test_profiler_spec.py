@@ -177,3 +177,38 @@ def test_spec_round_ratio_is_the_engines_rounds_over_their_price(tmp_path):
         engine, rows=(1, 2), kv_lens=(16,), repeats=1, with_ceilings=False, host_overhead=True
     )
     assert [k for k, _ in with_host["target"]["spec_round_ratio"]] == [1, 4]
+
+
+def test_a_drafters_own_spec_terms_are_measured_with_it_in_the_engine(tmp_path):
+    """`drafter_spec_terms` runs its speculating rounds with the drafter it is given (the
+    engine's own drafter is not asked for a proposal), prices them with the host time it just
+    measured, and puts the engine's drafter back."""
+    import copy
+
+    from executor.drafters.ngram import NgramDrafter
+    from executor.profiler import drafter_spec_terms
+
+    engine, prof = _draft_model_engine_and_profile(tmp_path)
+    own, ex = engine.drafter, engine.executor
+    proposals = []
+    own.propose = lambda *a, **k: proposals.append(a) or pytest.fail("the draft model drafted")
+    lookup = NgramDrafter()
+    lookup_propose = lookup.propose
+    lookup.propose = lambda *a, **k: proposals.append(a) or lookup_propose(*a, **k)
+    p = copy.deepcopy(prof)
+    p.pop("draft_model")
+    terms = drafter_spec_terms(engine, p, lookup)
+    assert proposals  # prompt lookup drafted every speculating round
+    assert engine.drafter is own and ex.drafter is own and not engine.has_unfinished()
+    host = terms["spec_host_ms_per_round"]
+    assert [c for c, _ in host] == [1, 4] and all(ms >= 0 for _, ms in host)
+    assert [k for k, _ in terms["spec_round_ratio"]] == [1, 4]
+    assert all(0 < r < 100 for _, r in terms["spec_round_ratio"])
+    # a profile pricing the target's rounds ten times dearer gets a far smaller factor
+    dear = copy.deepcopy(p)
+    t = dear["target"]
+    t["rows_ms"] = [[n, ms * 10] for n, ms in t["rows_ms"]]
+    t["spec_rows_ms"] = [[k, r, ms * 10] for k, r, ms in t["spec_rows_ms"]]
+    dearer = drafter_spec_terms(engine, dear, lookup)["spec_round_ratio"]
+    for (_, r_fair), (_, r_dear) in zip(terms["spec_round_ratio"], dearer):
+        assert r_dear < r_fair / 3

@@ -304,6 +304,14 @@ def test_quick_run_writes_every_output(quick_record):
     }
     assert record["profile"]["target"]["rows_kv_ms"]
     assert len(record["roofline"]) == len(record["profile"]["target"]["rows_kv_ms"])
+    # prompt lookup's speculating rounds priced by its own host time and pace, not the draft
+    # model's (which the record's profile holds)
+    lookup = record["profile"]["by_drafter"]["ngram"]
+    points = [c for c, _ in record["profile"]["target"]["spec_host_ms_per_round"]]
+    assert [c for c, _ in lookup["spec_round_ratio"]] == points
+    assert [c for c, _ in lookup["spec_host_ms_per_round"]] == points
+    assert all(r > 0 for _, r in lookup["spec_round_ratio"])
+    assert lookup["drafter_host"]["name"] == "ngram"
     assert record["skipped"] == []
     # the record names the repo's acceptance models by their path in the repo
     assert record["config"]["acceptance"] == "scheduler/profiles/acceptance.json"
