@@ -29,8 +29,9 @@ extended):
   cost model prices proposals at the contexts the batch really has;
 - `target.spec_round_ratio`: [k, ratio] full-depth speculating rounds of k requests as the
   engine runs them (`Engine.step`: the executor's round plus the profile's host time around
-  it) over the price the terms above give them; the cost model scales speculating rounds by
-  it (by speculating requests);
+  it; prompts spread over half to 1.5 times the reference context, as a served batch's) over
+  the price the terms above give them; the cost model scales speculating rounds by it (by
+  speculating requests);
 - `ceilings`: copy bandwidth and bf16 GEMM rate measured on the same device in the same run.
 
 Profiles are cached under `~/.cache/hipfire-serve/profiles/` by a key of the models, device,
@@ -628,34 +629,48 @@ def host_drafter_profile(drafter, rows, repeats: int, context_len: int, vocab: i
 
 
 def _engine_steps(
-    engine, c: int, prompt_len: int, num_steps: int, spec_mode: str
+    engine, c: int, prompt_len: int, num_steps: int, spec_mode: str, ragged: bool = False
 ) -> tuple[int, list]:
     """Up to `num_steps` decode steps of c greedy requests of `prompt_len` random tokens under
     a throw-away scheduler of `spec_mode` ("ar", "spec": every request drafts its full depth),
-    after their prefill and 3 settling steps; then aborts them and drains. -> (c as the KV
-    cache and queue allow it, [(wall ms of `Engine.step`, the round's `RoundStats`)]), no steps
-    when the model's context or the KV cache cannot keep requests decoding that long. The
-    engine's own scheduler, if it has one yet, is put back afterwards."""
+    after their prefill and 3 settling steps; then aborts them and drains. `ragged`: prompt
+    lengths spread evenly over [prompt_len / 2, 3 prompt_len / 2] instead (mean prompt_len), as
+    a served batch's are. -> (c as the KV cache and queue allow it, [(wall ms of
+    `Engine.step`, the round's `RoundStats`)]), no steps when the model's context or the KV
+    cache cannot keep requests decoding that long. The engine's own scheduler, if it has one
+    yet, is put back afterwards."""
     saved = getattr(engine, "scheduler", None)  # (none while the engine is being built)
     try:
         engine.scheduler = engine._make_scheduler(spec_mode, None)
-        return _run_steps(engine, c, prompt_len, num_steps, spec_mode)
+        return _run_steps(engine, c, prompt_len, num_steps, spec_mode, ragged)
     finally:
         if saved is not None:
             engine.scheduler = saved
 
 
-def _run_steps(engine, c: int, prompt_len: int, num_steps: int, spec_mode: str):
+def prompt_lens(c: int, prompt_len: int, ragged: bool) -> list[int]:
+    """c prompt lengths of mean ~prompt_len: all equal, or (`ragged`) spread evenly over
+    [prompt_len / 2, 3 prompt_len / 2]."""
+    if not ragged or c < 2:
+        return [prompt_len] * c
+    lo = max(prompt_len // 2, 1)
+    return [lo + round(i * (prompt_len * 3 // 2 - lo) / (c - 1)) for i in range(c)]
+
+
+def _run_steps(
+    engine, c: int, prompt_len: int, num_steps: int, spec_mode: str, ragged: bool = False
+):
     """_engine_steps on the throw-away scheduler already in place."""
     from hipfire_serve.types import SamplingParams
 
+    longest = max(prompt_lens(2, prompt_len, ragged))
     # tokens a request may emit: every measured step can emit a whole draft chain
     max_tokens = (num_steps + 16) * (engine.config.spec_depth if spec_mode == "spec" else 1)
-    max_tokens = min(max_tokens, engine.max_model_len - prompt_len)
+    max_tokens = min(max_tokens, engine.max_model_len - longest)
     if max_tokens < num_steps + 4:
-        return c, []  # a context too short to keep requests decoding through the steps
+        return c, []  # a context too short to keep requests decoding that long
     # as many requests as can wait and decode together in this engine's KV cache
-    blocks_each = -(-(prompt_len + max_tokens) // engine.config.block_size) + 1
+    blocks_each = -(-(longest + max_tokens) // engine.config.block_size) + 1
     c = min(c, engine.scheduler.config.max_queue, engine.num_kv_blocks // blocks_each)
     if c < 1:
         return c, []
@@ -663,8 +678,8 @@ def _run_steps(engine, c: int, prompt_len: int, num_steps: int, spec_mode: str):
     vocab = engine.target.config.vocab_size
     g = torch.Generator().manual_seed(c)
     ids = [f"profile-{spec_mode}-{c}-{i}" for i in range(c)]
-    for req_id in ids:
-        prompt = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
+    for req_id, n in zip(ids, prompt_lens(c, prompt_len, ragged)):
+        prompt = torch.randint(1, vocab, (n,), generator=g).tolist()
         engine.add_request(req_id, prompt, params)
     steps = []
     try:
@@ -712,21 +727,29 @@ def time_engine_overhead(
 
 
 def time_spec_round_ratio(
-    engine, profile: dict, concurrencies: tuple[int, ...], context_len: int, num_steps: int = 8
+    engine,
+    profile: dict,
+    concurrencies: tuple[int, ...],
+    context_len: int,
+    num_steps: int = 8,
+    ragged: bool = True,
 ) -> list[list[float]]:
     """Speculating rounds as the engine pays them against the profile's price of the same
     shapes: per speculating request count, the median over `num_steps` full-depth speculating
-    rounds (every request drafting, `context_len` tokens of prompt) of (the executor's measured
-    round + the profile's host time around it) / the profile's price of the round. The profile's
-    speculating terms are measured piece by piece (rounds alone, proposals alone); this is the
-    factor that puts them together as the engine runs them. -> [[k, ratio], ...]"""
+    rounds (every request drafting, prompts of `context_len` tokens on average, spread over
+    half to 1.5 times it unless not `ragged`) of (the executor's measured round + the profile's
+    host time around it) / the profile's price of the round. The profile's speculating terms
+    are measured piece by piece (rounds alone, proposals alone, equal contexts); this is the
+    factor that puts them together as the engine runs them, on contexts as uneven as a served
+    batch's (the cost model prices a batch by its total context; uneven contexts cost more,
+    `loadtests.context_probe`). -> [[k, ratio], ...]"""
     from scheduler.cost_model import ProfileCost
 
     cost = ProfileCost(profile)
     out = []
     for c in concurrencies:
         ratios = []
-        c, steps = _engine_steps(engine, c, context_len, num_steps, "spec")
+        c, steps = _engine_steps(engine, c, context_len, num_steps, "spec", ragged)
         for _, stats in steps:
             drafted = stats.drafted_per_pos
             depth = sum(1 for n in drafted if n > 0)
@@ -744,14 +767,15 @@ def time_spec_round_ratio(
     return out
 
 
-def drafter_spec_terms(engine, profile: dict, drafter) -> dict:
+def drafter_spec_terms(engine, profile: dict, drafter, even: bool = False) -> dict:
     """The profile's speculating terms that depend on the drafter, measured with `drafter` in
     the engine in place of its own (put back afterwards): `spec_host_ms_per_round` (the host
     time around its rounds) and then `spec_round_ratio` against `profile` priced with that host
     time (so `profile` should carry the drafter's own cost terms, e.g. `drafter_host`). A
     profile measured with a draft model prices a prompt-lookup drafter's rounds by these:
     verify rounds without a chain before them pay their host time and overlap differently. The
-    engine is idle before and after.
+    engine is idle before and after. `even`: also the ratio on prompts of equal length
+    ("spec_round_ratio_even"), what uneven contexts add shows against it.
     -> {"spec_host_ms_per_round": [...], "spec_round_ratio": [...]}"""
     ex = engine.executor
     saved = engine.drafter, ex.drafter, ex.drafter_follows_prefill
@@ -763,10 +787,15 @@ def drafter_spec_terms(engine, profile: dict, drafter) -> dict:
         priced = {**profile, "target": {**profile["target"], "spec_host_ms_per_round": host}}
         priced["target"].pop("spec_round_ratio", None)
         ref = profile["target"].get("ref_kv_len") or 1024
-        ratio = time_spec_round_ratio(engine, priced, points, ref)
+        out = {"spec_host_ms_per_round": host}
+        out["spec_round_ratio"] = time_spec_round_ratio(engine, priced, points, ref)
+        if even:
+            out["spec_round_ratio_even"] = time_spec_round_ratio(
+                engine, priced, points, ref, ragged=False
+            )
     finally:
         engine.drafter, ex.drafter, ex.drafter_follows_prefill = saved
-    return {"spec_host_ms_per_round": host, "spec_round_ratio": ratio}
+    return out
 
 
 def _interp(points: list[list[float]], x: float) -> float:

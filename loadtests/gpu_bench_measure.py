@@ -26,11 +26,28 @@ def measure_profile(engine, cfg: BenchConfig, tmp: Path) -> tuple[dict, dict[str
     (a drafter without a model costs no device time in the cost model; prompt lookup costs its
     measured host time, `drafter_host`)."""
     from executor.drafters.synthetic import SyntheticDrafter
-    from executor.profiler import build_profile, drafter_spec_terms, host_drafter_profile
+    from executor.profiler import (
+        build_profile,
+        drafter_spec_terms,
+        host_drafter_profile,
+        time_spec_round_ratio,
+    )
 
     profile = build_profile(engine, cfg.profile_rows, cfg.profile_kv_lens, cfg.profile_repeats)
     paths = {}
     by_drafter = {}
+    ratio = profile["target"].get("spec_round_ratio")
+    if ratio and cfg.model_drafter != "none":
+        # beside the profile's factor (uneven contexts, as the runs' prompts are): equal ones
+        by_drafter[cfg.model_drafter] = {
+            "spec_round_ratio_even": time_spec_round_ratio(
+                engine,
+                profile,
+                tuple(c for c, _ in ratio),
+                profile["target"]["ref_kv_len"],
+                ragged=False,
+            )
+        }
     for i, drafter in enumerate(cfg.drafters):
         p = dict(profile)
         if drafter != cfg.model_drafter:
@@ -52,13 +69,20 @@ def measure_profile(engine, cfg: BenchConfig, tmp: Path) -> tuple[dict, dict[str
             synth = SyntheticDrafter(
                 cfg.acceptance, cohort, cfg.seed, inner=cost_inner(drafter, None)
             )
-            terms = drafter_spec_terms(engine, p, synth)
+            terms = drafter_spec_terms(engine, p, synth, even=True)
+            even = terms.pop("spec_round_ratio_even")
             p["target"] = {**p["target"], **terms}
-            by_drafter[drafter] = {**terms, "drafter_host": p.get("drafter_host")}
+            by_drafter[drafter] = {
+                **terms,
+                "spec_round_ratio_even": even,
+                "drafter_host": p.get("drafter_host"),
+            }
         paths[drafter] = str(tmp / f"profile-{i}.json")
         Path(paths[drafter]).write_text(json.dumps(p))
     paths[ANY] = paths[cfg.drafters[0]]
-    if by_drafter:  # what the record's profile (the draft model's) differs by per drafter
+    # per drafter: a model-free drafter's own speculating terms (the record's profile holds
+    # the draft model's), and each drafter's round factor on equal contexts for comparison
+    if by_drafter:
         profile = {**profile, "by_drafter": by_drafter}
     return profile, paths
 

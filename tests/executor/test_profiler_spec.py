@@ -212,3 +212,30 @@ def test_a_drafters_own_spec_terms_are_measured_with_it_in_the_engine(tmp_path):
     dearer = drafter_spec_terms(engine, dear, lookup)["spec_round_ratio"]
     for (_, r_fair), (_, r_dear) in zip(terms["spec_round_ratio"], dearer):
         assert r_dear < r_fair / 3
+
+
+def test_ragged_profile_prompts_spread_over_half_to_one_and_a_half_times_their_mean():
+    from executor.profiler import prompt_lens
+
+    lens = prompt_lens(8, 1024, ragged=True)
+    assert lens[0] == 512 and lens[-1] == 1536 and lens == sorted(lens)
+    assert abs(sum(lens) / len(lens) - 1024) < 1
+    assert len(set(lens)) == 8
+    assert prompt_lens(8, 1024, ragged=False) == [1024] * 8
+    assert prompt_lens(1, 1024, ragged=True) == [1024]  # one request: its mean
+
+
+def test_spec_round_ratio_runs_on_ragged_contexts_unless_asked_not_to(tmp_path):
+    from executor.profiler import time_spec_round_ratio
+
+    engine, prof = _draft_model_engine_and_profile(tmp_path)
+    seen = []
+    add = engine.add_request
+    engine.add_request = lambda req_id, prompt, params: seen.append(len(prompt)) or add(
+        req_id, prompt, params
+    )
+    time_spec_round_ratio(engine, prof, (4,), context_len=16, num_steps=2)
+    assert seen == [8, 13, 19, 24]  # mean 16
+    seen.clear()
+    time_spec_round_ratio(engine, prof, (4,), context_len=16, num_steps=2, ragged=False)
+    assert seen == [16] * 4

@@ -312,6 +312,9 @@ def test_quick_run_writes_every_output(quick_record):
     assert [c for c, _ in lookup["spec_host_ms_per_round"]] == points
     assert all(r > 0 for _, r in lookup["spec_round_ratio"])
     assert lookup["drafter_host"]["name"] == "ngram"
+    # each drafter's factor on equal contexts beside the profile's (uneven ones)
+    for terms in (lookup, record["profile"]["by_drafter"]["random:tiny"]):
+        assert [c for c, _ in terms["spec_round_ratio_even"]] == points
     assert record["skipped"] == []
     # the record names the repo's acceptance models by their path in the repo
     assert record["config"]["acceptance"] == "scheduler/profiles/acceptance.json"
