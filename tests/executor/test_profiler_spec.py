@@ -231,8 +231,8 @@ def test_spec_round_ratio_runs_on_ragged_contexts_unless_asked_not_to(tmp_path):
     engine, prof = _draft_model_engine_and_profile(tmp_path)
     seen = []
     add = engine.add_request
-    engine.add_request = lambda req_id, prompt, params: seen.append(len(prompt)) or add(
-        req_id, prompt, params
+    engine.add_request = lambda req_id, prompt, params: (
+        seen.append(len(prompt)) or add(req_id, prompt, params)
     )
     time_spec_round_ratio(engine, prof, (4,), context_len=16, num_steps=2)
     assert seen == [8, 13, 19, 24]  # mean 16
