@@ -120,9 +120,25 @@ def calib_class(has_spec, has_prefill=False):
 #   a bucket run every round is still trusted 87% (its decayed count settles near 200).
 # - CALIB_DECAY: per-round confidence decay of every bucket; 0.995 halves confidence after ~140
 #   rounds without running it (a few seconds of serving), then the shape is re-probed.
+# - CALIB_OUTLIER_RATIO: one round counts at most this far (as a ratio) from the correction it
+#   updates. A host stall charged to one round (a pause of 50-100 ms between launches, a round
+#   measured at 4-19x its price: 1-3 times per benchmark record on the H200, 2026-11-30) moved
+#   a class's correction by its full weight: one AR round measured at 88 ms against 4.7 raised
+#   the AR correction to 1.75x, the decay took ~200 rounds to bring it down, and meanwhile
+#   speculation was priced +20-70% against AR and run at a loss (prose-like text at C = 1:
+#   0.86x all-AR in that run). A real shift of the device's pace still moves the correction by
+#   up to CALIB_ALPHA x log(1.5) (8%) per round.
 CALIB_ALPHA = 0.2
 CALIB_PRIOR_COUNT = 30.0
 CALIB_DECAY = 0.995
+CALIB_OUTLIER_RATIO = 1.5
+_OUTLIER_LOG = math.log(CALIB_OUTLIER_RATIO)
+
+
+def _clip_log(deviation: float) -> float:
+    """A round's log deviation from a correction, within the outlier bound
+    (CALIB_OUTLIER_RATIO)."""
+    return min(max(deviation, -_OUTLIER_LOG), _OUTLIER_LOG)
 
 
 def _tail_slope(xs: np.ndarray, ys: np.ndarray) -> float:
@@ -892,16 +908,17 @@ class CostModel:
         log_ratio = math.log(measured_ms / raw_predicted_ms)
         self._count *= CALIB_DECAY
         s, b = calib_class(has_spec, has_prefill), self.profile.bucket_index_scalar(num_rows)
+        glob = self._global_log_corr[s]
         if self._count[s, b] < 1e-3:
-            self._log_corr[s, b] = log_ratio  # first look at this shape: take it as is
+            # first look at this shape: take it as is, within the outlier bound of its class
+            self._log_corr[s, b] = glob + _clip_log(log_ratio - glob)
         else:
-            self._log_corr[s, b] += CALIB_ALPHA * (log_ratio - self._log_corr[s, b])
+            self._log_corr[s, b] += CALIB_ALPHA * _clip_log(log_ratio - self._log_corr[s, b])
         self._count[s, b] += 1.0
         # the other classes' corrections drift back to the profile while they do not run (as a
         # bucket's confidence does), so a class that looked slow is tried again
         self._global_log_corr *= CALIB_DECAY
-        self._global_log_corr[s] /= CALIB_DECAY
-        self._global_log_corr[s] += CALIB_ALPHA * (log_ratio - self._global_log_corr[s])
+        self._global_log_corr[s] = glob + CALIB_ALPHA * _clip_log(log_ratio - glob)
         self.num_observations += 1
         conf = self._count / (self._count + CALIB_PRIOR_COUNT)
         glob = self._global_log_corr[:, None]  # [NUM_CALIB_CLASSES, 1]
