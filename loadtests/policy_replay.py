@@ -6,7 +6,7 @@ workload runs through the simulator with the same profile; the share of decoding
 request-rounds that speculate is compared.
 
     python -m loadtests.policy_replay --profile docs/perf/gpu.json --cohort prose --concurrency 8
-        [--noise 0.05] [--prompt-len 512] [--seeds 2]
+        [--noise 0.05] [--prompt-len 512] [--seeds 2] [--spec-bias 1.05] [--vocab 151936]
 
 A profile is a profile JSON or a benchmark record holding one under "profile". Where the two
 shares differ, the engine's own logic (decision ahead, calibration on measured times, the rate
@@ -81,8 +81,12 @@ def replay(
     seeds: int = 2,
     acceptance: str | None = None,
     spec_bias: float = 1.0,
+    vocab: int = 0,
 ) -> dict:
-    """Engine and simulator on the same workload and profile -> their speculating shares."""
+    """Engine and simulator on the same workload and profile -> their speculating shares.
+    `vocab`: the tiny model's vocabulary size (0: the preset's). A GPU run's prompts, and so
+    its acceptance traces (keyed by the prompts), are drawn over its target's vocabulary: the
+    replay of such a run needs the same size (151936 for `random:qwen3-8b`)."""
     from executor.drafters.synthetic import SyntheticDrafter
     from hipfire_serve.config import EngineConfig
     from hipfire_serve.engine import Engine
@@ -95,9 +99,16 @@ def replay(
     from scheduler.sim.policy_check import load_profile
 
     profile = load_profile(profile_path)
+    model = "random:tiny"
+    if vocab:
+        from executor.random_model import PRESETS
+
+        name = f"tiny-vocab{vocab}"
+        PRESETS.setdefault(name, dataclasses.replace(PRESETS["tiny"], vocab_size=vocab))
+        model = f"random:{name}"
     cfg = dataclasses.replace(
         BenchConfig(),
-        model="random:tiny",
+        model=model,
         device="cpu",
         dtype="float32",
         concurrency=(concurrency,),
@@ -139,7 +150,8 @@ def replay(
             SyntheticDrafter(cfg.acceptance, cohort, cfg.seed),
         )
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        prompts = make_prompts(cfg, concurrency, engine.target.config.vocab_size)
+        vocab_size = engine.target.config.vocab_size
+        prompts = make_prompts(cfg, concurrency, vocab_size)
         steps, _, num_failed = drive_refill(engine, prompts, concurrency, params)
         # the engine's run (seed cfg.seed): its workload and acceptance traces
         keys = tuple(trace_key(p) for p in prompts)
@@ -159,6 +171,7 @@ def replay(
         "engine_spec_share": round(spec_share(s.route for s in steps), 4),
         "sim_spec_shares": [round(x, 4) for x in sim_shares],
         "num_failed": num_failed,
+        "vocab": vocab_size,  # the prompts' (and the tiny model's) vocabulary
     }
 
 
@@ -171,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seeds", type=int, default=2, help="simulator runs")
+    ap.add_argument(
+        "--vocab", type=int, default=0, help="vocabulary of the tiny model (a GPU run's target's)"
+    )
     ap.add_argument(
         "--spec-bias",
         type=float,
@@ -190,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         seeds=args.seeds,
         spec_bias=args.spec_bias,
+        vocab=args.vocab,
     )
     print(json.dumps(out))
     return 0

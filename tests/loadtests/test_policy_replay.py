@@ -61,3 +61,17 @@ def test_priced_finish_charges_speculating_rounds_the_bias():
     spec, ar = SimpleNamespace(plan=plan([3, 3])), SimpleNamespace(plan=plan([0, 0]))
     assert dear(spec).timings.total_ms == 1.5 * fair(spec).timings.total_ms
     assert dear(ar).timings.total_ms == fair(ar).timings.total_ms
+
+
+def test_the_tiny_model_takes_a_gpu_runs_vocabulary_so_its_prompts_and_traces_match():
+    """With --vocab, the replay draws the GPU benchmark's prompts (ids over the target's
+    vocabulary) and so replays its acceptance traces; the tiny model embeds them."""
+    from loadtests.gpu_bench import BenchConfig
+    from loadtests.gpu_bench_runs import make_prompts
+
+    out = policy_replay.replay(
+        str(PROFILE), "code", 2, prompt_len=32, max_tokens=16, seeds=1, vocab=151936
+    )
+    assert out["num_failed"] == 0 and out["vocab"] == 151936
+    cfg = BenchConfig(prompt_len=32, max_tokens=16, concurrency=(2,))
+    assert max(max(p) for p in make_prompts(cfg, 2, 151936)) > 512  # past the preset's 512
