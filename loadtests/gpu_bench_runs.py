@@ -447,6 +447,11 @@ def run_grid(
         run["repeat"] = rep
         durations[(kind, c)] = max(durations.get((kind, c), 0.0), time.perf_counter() - t0)
         runs.append(run)
+        # The runs' step records are the heap's growth: frozen between runs, they stay out of
+        # the collector's full passes, which otherwise scanned them inside measured rounds
+        # (~430k such objects take a 134 ms pass; host stalls of 50-100 ms charged to single
+        # rounds, 1-3 per record on the H200, 2026-11-30).
+        engine.freeze_heap()
         full = run["full_live_tok_s"]
         if run["num_failed"]:
             log(f"  {run['num_failed']} requests failed in this run (see the engine's log)")

@@ -668,3 +668,29 @@ def test_records_of_one_workload_are_pooled(quick_record, tmp_path):
     assert rederive_main([str(a), str(b), "--out", str(tmp_path / "no")]) == 2
     with pytest.raises(ValueError, match="max_tokens"):
         pool([record, other])
+
+
+def test_each_finished_run_leaves_the_collectors_generations(monkeypatch):
+    """The grid freezes the heap after every run, so the growing step records of finished runs
+    are not scanned by full collections inside later runs' measured rounds."""
+    import gc
+    from types import SimpleNamespace
+
+    from loadtests import gpu_bench_runs
+
+    def fake_run(engine, cfg, policy, drafter, cohort, c, paths, model_inner, compiles=None):
+        return {"full_live_tok_s": 1.0, "refill_tok_s": 1.0, "run_s": 0.0, "num_failed": 0,
+                "records": [{"step": i} for i in range(100)]}  # fmt: skip
+
+    monkeypatch.setattr(gpu_bench_runs, "run_point", fake_run)
+    frozen = []
+    engine = SimpleNamespace(freeze_heap=lambda: frozen.append(gc.freeze()))
+    try:
+        runs, skipped = gpu_bench_runs.run_grid(
+            engine, QUICK, {}, None, float("inf"), lambda msg: None
+        )
+        assert runs and not skipped and len(frozen) == len(runs)
+        tracked = {id(o) for o in gc.get_objects()}
+        assert not any(id(r["records"][0]) in tracked for r in runs)
+    finally:
+        gc.unfreeze()
