@@ -28,11 +28,20 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def priced_finish(engine, profile, noise: float, rng: random.Random, spec_bias: float = 1.0):
+def priced_finish(
+    engine,
+    profile,
+    noise: float,
+    rng: random.Random,
+    spec_bias: float = 1.0,
+    catchup_bias: float = 1.0,
+):
     """Wraps `engine.executor.finish` so that each round reports the profile's price of its
-    plan (the executor's part: without the engine's host time around a speculating round)
-    times exp(N(0, noise)) as its measured time; a speculating round's price times
-    `spec_bias` (a device where speculating rounds cost more than the profile says)."""
+    plan (the executor's part: without the engine's host time around a speculating round,
+    with the catch-up of its speculating requests' drafter lag) times exp(N(0, noise)) as its
+    measured time; a speculating round's price times `spec_bias` (a device where speculating
+    rounds cost more than the profile says). The catch-up is reported as the round's
+    `catchup_ms`, at `catchup_bias` times its price (a device where catch-ups cost more)."""
     import msgspec
 
     finish = engine.executor.finish
@@ -43,20 +52,27 @@ def priced_finish(engine, profile, noise: float, rng: random.Random, spec_bias: 
         num_spec = int((plan.decode.num_draft > 0).sum())
         depth = plan.spec_depth - 1 if num_spec else 0
         prefill_rows = sum(q.num_new for q in plan.prefills)
+        # the drafter lag the scheduler planned the round with (its record of the round)
+        inflight = getattr(getattr(engine, "scheduler", None), "_inflight", ())
+        lag = next((e[4] for e in inflight if e[0] is plan), 0) if depth else 0
         ms = profile.round_ms_scalar(
             plan.num_rows,
             plan.num_kv_tokens,
             depth,
             num_spec,
-            0,
+            lag,
             prefill_rows,
             num_draft_rows=int(plan.decode.num_draft.sum()),
             executor_only=True,
         )
+        catchup = profile.catchup_profiled_ms(num_spec, lag) if depth else 0.0
+        ms += (catchup_bias - 1.0) * catchup
         if depth:
             ms *= spec_bias
         ms *= math.exp(rng.gauss(0.0, noise)) if noise > 0 else 1.0
-        timings = msgspec.structs.replace(result.timings, total_ms=ms)
+        timings = msgspec.structs.replace(
+            result.timings, total_ms=ms, catchup_ms=catchup * catchup_bias
+        )
         return msgspec.structs.replace(result, timings=timings)
 
     return run
@@ -82,6 +98,7 @@ def replay(
     acceptance: str | None = None,
     spec_bias: float = 1.0,
     vocab: int = 0,
+    catchup_bias: float = 1.0,
 ) -> dict:
     """Engine and simulator on the same workload and profile -> their speculating shares.
     `vocab`: the tiny model's vocabulary size (0: the preset's). A GPU run's prompts, and so
@@ -139,7 +156,7 @@ def replay(
             )
         )
         engine.executor.finish = priced_finish(
-            engine, ProfileCost(profile), noise, random.Random(cfg.seed), spec_bias
+            engine, ProfileCost(profile), noise, random.Random(cfg.seed), spec_bias, catchup_bias
         )
         install(
             engine,
@@ -168,7 +185,12 @@ def replay(
         "concurrency": concurrency,
         "noise": noise,
         "spec_bias": spec_bias,
+        "catchup_bias": catchup_bias,
         "engine_spec_share": round(spec_share(s.route for s in steps), 4),
+        # tokens over the rounds' priced time (the device the profile and biases describe)
+        "engine_priced_tok_s": round(
+            sum(s.num_tokens for s in steps) / max(sum(s.measured_s for s in steps), 1e-9), 1
+        ),
         "sim_spec_shares": [round(x, 4) for x in sim_shares],
         "num_failed": num_failed,
         "vocab": vocab_size,  # the prompts' (and the tiny model's) vocabulary
@@ -184,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seeds", type=int, default=2, help="simulator runs")
+    ap.add_argument(
+        "--catchup-bias",
+        type=float,
+        default=1.0,
+        help="drafter catch-ups cost this many times their price (engine side only)",
+    )
     ap.add_argument(
         "--vocab", type=int, default=0, help="vocabulary of the tiny model (a GPU run's target's)"
     )
@@ -207,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds=args.seeds,
         spec_bias=args.spec_bias,
         vocab=args.vocab,
+        catchup_bias=args.catchup_bias,
     )
     print(json.dumps(out))
     return 0

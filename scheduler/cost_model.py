@@ -429,6 +429,15 @@ class ProfileCost:
     def propose_ms_scalar(self, num_spec: int) -> float:
         return self._propose_list[min(max(num_spec, 0), TABLE_ROWS - 1)]
 
+    def catchup_profiled_ms(self, num_spec: int, lag_rows: int) -> float:
+        """A catch-up's cost beyond the plain first step as the profile prices it in a
+        speculating round (with the round factor): what a drafter's measured catch-up
+        (`PhaseTimes.catchup_ms`) stands against."""
+        if not lag_rows:
+            return 0.0
+        extra = self.first_step_ms_scalar(num_spec, lag_rows) - self._draft.scalar(num_spec)
+        return extra * self.spec_ratio_scalar(num_spec)
+
     def first_step_ms_scalar(self, num_spec: int, lag_rows: int) -> float:
         """first_step_ms for one shape in plain Python (the planner's hot path)."""
         rows = num_spec + lag_rows

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from loadtests import policy_replay
 
 PROFILE = Path(__file__).parents[2] / "scheduler" / "profiles" / "h200-qwen3-8b.json"
@@ -61,6 +63,22 @@ def test_priced_finish_charges_speculating_rounds_the_bias():
     spec, ar = SimpleNamespace(plan=plan([3, 3])), SimpleNamespace(plan=plan([0, 0]))
     assert dear(spec).timings.total_ms == 1.5 * fair(spec).timings.total_ms
     assert dear(ar).timings.total_ms == fair(ar).timings.total_ms
+    assert fair(spec).timings.catchup_ms == 0.0  # no scheduler record: no lag
+
+    # a speculating round planned with 2,000 rows of drafter lag (the scheduler's record of
+    # it) pays their catch-up, reported as its catch-up phase, at the catch-up bias
+    lagging = SimpleNamespace(plan=plan([3, 3]))
+    engine.scheduler = SimpleNamespace(_inflight=[(lagging.plan, 0.0, 0.0, 0.0, 2000)])
+    cu = policy_replay.priced_finish(engine, profile, 0.0, random.Random(0))
+    cu_dear = policy_replay.priced_finish(engine, profile, 0.0, random.Random(0), catchup_bias=1.3)
+    priced = profile.catchup_profiled_ms(2, 2000)
+    assert priced > 1.0
+    assert cu(lagging).timings.catchup_ms == pytest.approx(priced)
+    assert cu(lagging).timings.total_ms > fair(spec).timings.total_ms + 0.5 * priced
+    assert cu_dear(lagging).timings.catchup_ms == pytest.approx(1.3 * priced)
+    assert cu_dear(lagging).timings.total_ms == pytest.approx(
+        cu(lagging).timings.total_ms + 0.3 * priced
+    )
 
 
 def test_the_tiny_model_takes_a_gpu_runs_vocabulary_so_its_prompts_and_traces_match():
