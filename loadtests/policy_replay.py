@@ -38,7 +38,7 @@ def priced_finish(
 ):
     """Wraps `engine.executor.finish` so that each round reports the profile's price of its
     plan (the executor's part: without the engine's host time around a speculating round,
-    with the catch-up of its speculating requests' drafter lag) times exp(N(0, noise)) as its
+    with the catch-up of the drafter lag it was planned with) times exp(N(0, noise)) as its
     measured time; a speculating round's price times `spec_bias` (a device where speculating
     rounds cost more than the profile says). The catch-up is reported as the round's
     `catchup_ms`, at `catchup_bias` times its price (a device where catch-ups cost more)."""
@@ -52,9 +52,7 @@ def priced_finish(
         num_spec = int((plan.decode.num_draft > 0).sum())
         depth = plan.spec_depth - 1 if num_spec else 0
         prefill_rows = sum(q.num_new for q in plan.prefills)
-        # the drafter lag the scheduler planned the round with (its record of the round)
-        inflight = getattr(getattr(engine, "scheduler", None), "_inflight", ())
-        lag = next((e[4] for e in inflight if e[0] is plan), 0) if depth else 0
+        lag = plan.drafter_lag_rows if depth else 0
         ms = profile.round_ms_scalar(
             plan.num_rows,
             plan.num_kv_tokens,

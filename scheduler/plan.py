@@ -183,6 +183,9 @@ class RoundPlan(msgspec.Struct, frozen=True, kw_only=True):
     row_bucket: int = 0  # rows padded to this for graph replay (0: no padding, eager)
     num_kv_tokens: int = 0  # sum over requests of num_computed + num_new
     spec_depth: int = 1  # deepest rows per spec request this round (drafter chain length + 1)
+    # rows the speculating requests' drafters have not seen (their catch-up, priced in
+    # predicted_ms)
+    drafter_lag_rows: int = 0
     predicted_ms: float = 0.0
     predicted_tokens: float = 0.0
     route: str = ""  # one letter per planned request in row order: P, A or S

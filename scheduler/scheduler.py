@@ -220,9 +220,8 @@ class Scheduler:
         self._to_release: list[Request] = []  # finished/aborted/preempted, freed by next plan
         # plans launched and not yet updated, oldest first (two when one was advanced), each
         # with the cost model's raw prediction, run ahead and alone (they differ for AR rounds),
-        # the accepted drafts the estimators expected of it, and its speculating requests'
-        # drafter lag (rows a catch-up runs)
-        self._inflight: list[tuple[RoundPlan, float, float, float, int]] = []
+        # and the accepted drafts the estimators expected of it
+        self._inflight: list[tuple[RoundPlan, float, float, float]] = []
         # the launched AR round whose one token per request is already counted (advance())
         self._advanced: RoundPlan | None = None
         self._advanced_live = np.zeros(0, dtype=bool)  # [n] its rows that advance() counted
@@ -611,6 +610,7 @@ class Scheduler:
             row_bucket=self._row_bucket(total_rows, prefills),
             num_kv_tokens=kv_tokens,
             spec_depth=d_max + 1,
+            drafter_lag_rows=lag if d_max else 0,
             predicted_ms=predicted_ms,
             predicted_tokens=predicted_tokens + self._last_extra_tokens,
             route=route,
@@ -621,9 +621,7 @@ class Scheduler:
         raw_alone = self._last_raw_ms
         if total_rows and d_max == 0 and not num_prefill_rows:
             raw_alone /= self.cost_model.profile.ahead_ratio_scalar(total_rows)
-        self._inflight.append(
-            (plan, self._last_raw_ms, raw_alone, self._last_extra_tokens, lag if d_max else 0)
-        )
+        self._inflight.append((plan, self._last_raw_ms, raw_alone, self._last_extra_tokens))
         self._cohort_changed = False
         # Slots released by this plan become reusable from the next plan on.
         self._free_slots.extend(released)
@@ -1035,9 +1033,7 @@ class Scheduler:
         self._last_measured_ms = measured_ms
         while self._inflight and self._inflight[0][0].round_id < result.round_id:
             self._inflight.pop(0)  # planned with nothing to run: never launched
-        plan, raw_ms, raw_alone, expected, _ = (
-            self._inflight[0] if self._inflight else (None, 0, 0, 0, 0)
-        )
+        plan, raw_ms, raw_alone, expected = self._inflight[0] if self._inflight else (None, 0, 0, 0)
         if plan is not None and plan.round_id == result.round_id:
             self._inflight.pop(0)
         else:

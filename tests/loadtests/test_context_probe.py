@@ -1,5 +1,6 @@
 """The context probe on tiny random models on the CPU: uniform, ragged and longest-uniform
-batches of proposals and target rounds, their mean-context interpolation, and bad input."""
+batches of proposals and target rounds and their mean-context interpolation (bad input:
+test_probes.py)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,3 @@ def test_the_probe_times_the_three_batches_on_tiny_models(tmp_path, capsys):
         slope = abs(r["uniform_max_ms"] - r["uniform_ms"]) / spread
         assert r["mean_based_ms"] == pytest.approx(expect, abs=0.05 * slope + 1e-3)
     assert "round forward" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [["--rounds", "2y2"], ["--draft-counts", "a"], ["--context", "1"], ["--repeats", "0"]],
-)
-def test_bad_arguments_get_one_line_and_status_2(argv, tmp_path, capsys):
-    assert main(["--out", str(tmp_path), "--device", "cpu", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("context_probe:") and "\n" not in err

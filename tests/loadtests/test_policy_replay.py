@@ -49,12 +49,12 @@ def test_priced_finish_charges_speculating_rounds_the_bias():
         num_kv_tokens=0,
     )  # fmt: skip
 
-    def plan(num_draft):
+    def plan(num_draft, lag=0):
         decode = SimpleNamespace(num_draft=np.array(num_draft))
         spec = int(max(num_draft)) + 1
         return SimpleNamespace(
             decode=decode, spec_depth=spec, prefills=(), num_rows=sum(num_draft) + len(num_draft),
-            num_kv_tokens=4096,
+            num_kv_tokens=4096, drafter_lag_rows=lag,
         )  # fmt: skip
 
     engine = SimpleNamespace(executor=SimpleNamespace(finish=lambda launched: result))
@@ -63,12 +63,11 @@ def test_priced_finish_charges_speculating_rounds_the_bias():
     spec, ar = SimpleNamespace(plan=plan([3, 3])), SimpleNamespace(plan=plan([0, 0]))
     assert dear(spec).timings.total_ms == 1.5 * fair(spec).timings.total_ms
     assert dear(ar).timings.total_ms == fair(ar).timings.total_ms
-    assert fair(spec).timings.catchup_ms == 0.0  # no scheduler record: no lag
+    assert fair(spec).timings.catchup_ms == 0.0  # no lag
 
-    # a speculating round planned with 2,000 rows of drafter lag (the scheduler's record of
-    # it) pays their catch-up, reported as its catch-up phase, at the catch-up bias
-    lagging = SimpleNamespace(plan=plan([3, 3]))
-    engine.scheduler = SimpleNamespace(_inflight=[(lagging.plan, 0.0, 0.0, 0.0, 2000)])
+    # a speculating round planned with 2,000 rows of drafter lag pays their catch-up,
+    # reported as its catch-up phase, at the catch-up bias
+    lagging = SimpleNamespace(plan=plan([3, 3], lag=2000))
     cu = policy_replay.priced_finish(engine, profile, 0.0, random.Random(0))
     cu_dear = policy_replay.priced_finish(engine, profile, 0.0, random.Random(0), catchup_bias=1.3)
     priced = profile.catchup_profiled_ms(2, 2000)

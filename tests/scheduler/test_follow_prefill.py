@@ -139,7 +139,8 @@ def test_the_lag_kept_for_a_request_is_what_its_drafter_did_not_follow(prompts, 
     """Prompts in chunks over several rounds, each round followed or not: when a request
     starts decoding, the scheduler's drafter lag for it is the part of its prompt the drafter
     did not compute (a chunk counts only while it continues what was followed before), and it
-    agrees with the executor's at every round."""
+    agrees with the executor's at every round; every plan carries the lag its speculating
+    requests' drafters catch up in it (`drafter_lag_rows`)."""
     import itertools
 
     rounds = itertools.cycle(answers)
@@ -158,6 +159,8 @@ def test_the_lag_kept_for_a_request_is_what_its_drafter_did_not_follow(prompts, 
             if plan.follow_prefill and done == q.num_computed:
                 done += q.num_new
             followed[q.req_id] = done
+        spec_rows = plan.decode.num_draft > 0
+        assert plan.drafter_lag_rows == int(ex.slot_lag[plan.decode.slots][spec_rows].sum())
         sched.update(ex.run(plan), 0.0)
         live = np.flatnonzero(sched._slot_decoding)
         assert np.array_equal(sched._drafter_lag[live], ex.slot_lag[live])
