@@ -63,8 +63,8 @@ from scheduler.plan import Mode, ReqPlan, RoundPlan, SamplingSpec, SeqSetup
 CACHE_DIR = Path.home() / ".cache" / "hipfire-serve" / "profiles"
 # Part of the cache key: raised when the profile gains a measurement the cost model prices by,
 # so that a profile cached before it is measured anew (2: `target.prefill_rows_ms`, 3:
-# `draft_model.kv_ms_per_token`).
-PROFILE_FORMAT = 3
+# `draft_model.kv_ms_per_token`, 4: `draft_model.catchup_pass_rows` / `catchup_pass_buckets`).
+PROFILE_FORMAT = 4
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
 DEFAULT_KV_LENS = (16, 512, 2048)
 # Prefill chunks timed for the profile (`target.prefill_rows_ms`), up to the round's prefill
@@ -809,7 +809,7 @@ def _interp(points: list[list[float]], x: float) -> float:
 # that many rows and up to 16 of them at once past it (a batch entering speculation together);
 # 64 rows: a lag of a few dozen AR rounds, which a graphed drafter takes in one wide replay.
 CATCHUP_PROMPT_ROWS = 1024
-CATCHUP_ROWS = (64, 256, 1024, 4096, 16384)
+CATCHUP_ROWS = (64, 256, 1024, 2048, 4096, 16384)
 
 
 def catchup_profile_rows(max_model_len: int) -> tuple[int, ...]:
@@ -1062,6 +1062,15 @@ def build_profile(
                     "max_catchup_passes": getattr(inner, "max_catchup_passes", MAX_CATCHUP_PASSES),
                 }
                 if passes
+                else {}
+            ),
+            # ... and runs longer ones in wide passes padded to these row buckets (_wide_rows)
+            **(
+                {
+                    "catchup_pass_rows": int(inner.wide_pass_rows),
+                    "catchup_pass_buckets": [int(b) for b in inner.wide_buckets],
+                }
+                if getattr(inner, "wide_buckets", ())
                 else {}
             ),
         }

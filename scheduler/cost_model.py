@@ -215,6 +215,16 @@ class _Curve:
         return self.end + (rows - TABLE_ROWS + 1) * self.slope
 
 
+def wide_pass_padded_rows(rows: np.ndarray, cap: int, buckets: np.ndarray) -> np.ndarray:
+    """Rows a forward of `rows` rows computes in passes of `cap` rows (all but the last full),
+    the last padded to the smallest of `buckets` holding it (unpadded above the largest)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    full = np.maximum(-(-rows // cap) - 1, 0) * cap  # rows of the full passes
+    rest = rows - full  # [..] 0 < rest <= cap where rows > 0
+    idx = np.minimum(np.searchsorted(buckets, rest), len(buckets) - 1)
+    return full + np.maximum(buckets[idx], rest) * (rest > 0)
+
+
 class ProfileCost:
     """The uncorrected cost curves of a profile JSON (the format of the shared H200 profile)."""
 
@@ -293,6 +303,17 @@ class ProfileCost:
         eager = np.asarray((draft or {}).get("catchup_rows_ms") or [], dtype=np.float64)
         eager = eager.reshape(-1, 2)
         self._eager = _Curve.from_points(eager[:, 0], eager[:, 1]) if len(eager) else self._draft
+        # A graphed drafter runs such a forward in passes of `catchup_pass_rows` (all but the
+        # last full) replayed at the row buckets `catchup_pass_buckets`: the curve is read at the
+        # padded rows (its measured points are whole buckets). Uneven prompts land between them:
+        # priced unpadded, catch-ups ran 20-40% over their price on the H200 (2026-11-30).
+        buckets = np.asarray((draft or {}).get("catchup_pass_buckets") or [], dtype=np.int64)
+        if len(eager) and len(buckets):
+            cap = int((draft or {}).get("catchup_pass_rows") or buckets[-1])
+            self._eager = _Curve(
+                self._eager(wide_pass_padded_rows(np.arange(TABLE_ROWS), cap, buckets)),
+                self._eager.slope,
+            )
         table_rows = np.arange(TABLE_ROWS)
         # target cost at the graph bucket of each row count (eager past the largest bucket)
         self._padded = _Curve(self._target(self.bucket(table_rows)), self._target.slope)

@@ -65,10 +65,30 @@ MAX_CATCHUP_PASSES = 8
 # With wide graphs, a catch-up needing more step-0 passes than this is one wide replay instead
 # (a pass replays the whole draft model with logits for every row).
 WIDE_MAX_PASSES = 1
-# Row buckets of the wide (hidden-state) graphs; a wide forward of more rows runs eagerly.
-WIDE_BUCKETS = (32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# Row buckets of the wide (hidden-state) graphs; a wide forward of more rows runs eagerly. Steps of
+# 256 near the top: a pass pads only to its bucket, and a whole prompt's catch-up lands there.
+WIDE_BUCKETS = (32, 64, 128, 192, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
 # Rows per sequence the wide graphs' attention tiles are planned for (any mix runs correctly).
 WIDE_ROWS_HINT = 64
+
+
+def wide_passes(lens: Sequence[int], cap: int) -> list[list[tuple[int, int, int]]]:
+    """Rows of sequences with `lens` rows each, in order, cut into passes of at most `cap` rows:
+    per pass its pieces (sequence, first row, rows). A sequence goes on in the next pass where
+    one is full, so all passes but the last hold `cap` rows."""
+    passes: list[list[tuple[int, int, int]]] = [[]]
+    room = cap
+    for k, n in enumerate(lens):
+        start = 0
+        while start < n:
+            if room == 0:
+                passes.append([])
+                room = cap
+            take = min(n - start, room)
+            passes[-1].append((k, start, take))
+            start += take
+            room -= take
+    return passes if passes[0] else []
 
 
 class DraftModelDrafter:
@@ -100,6 +120,9 @@ class DraftModelDrafter:
         )
         # Step-0 passes at most; a longer catch-up is one wide forward (graphed: one pass)
         self.max_catchup_passes = WIDE_MAX_PASSES if self.use_graphs else MAX_CATCHUP_PASSES
+        # rows of one wide pass (`_wide_rows`), and the row buckets a graphed pass pads to
+        self.wide_pass_rows = WIDE_BUCKETS[-1]
+        self.wide_buckets = WIDE_BUCKETS if self.use_graphs else ()
         self.device = model.device
         self.block_size = block_size
         # drafting writes positions below this (the draft model's rope table may be shorter)
@@ -461,32 +484,31 @@ class DraftModelDrafter:
         self,
         slots: list[int],
         first_pos: list[int],
-        tokens: list[Sequence[int]],  # per sequence its rows' tokens from first_pos on
+        tokens: list[Sequence[int]],  # per sequence its rows' tokens from first_pos on (>= 1)
         last_hidden: bool,
     ) -> torch.Tensor | None:
-        """Forwards every sequence's rows, K/V written into the draft cache, in passes of whole
-        sequences of at most WIDE_BUCKETS[-1] rows each (one pass per longer sequence), so that
-        the wide graphs take them. Returns the hidden states of each sequence's last row
-        [num_seqs, hidden] (last_hidden), else None."""
-        cap = WIDE_BUCKETS[-1]
-        groups: list[list[int]] = [[]]
-        rows = 0
-        for k, toks in enumerate(tokens):
-            if groups[-1] and rows + len(toks) > cap:
-                groups.append([])
-                rows = 0
-            groups[-1].append(k)
-            rows += len(toks)
+        """Forwards every sequence's rows, K/V written into the draft cache, in passes of at
+        most `wide_pass_rows` rows that the wide graphs take: the rows in sequence order, a
+        sequence cut where a pass is full and continued in the next (its later rows attend to
+        the KV the earlier pass wrote), so every pass but the last is full and only the last pads
+        to its bucket. Returns the hidden states of each sequence's last row [num_seqs, hidden]
+        (last_hidden), else None."""
         last = []
-        for group in groups:
-            lens = [len(tokens[k]) for k in group]
-            ids = np.concatenate([np.asarray(tokens[k], dtype=np.int64) for k in group])
-            meta = self._meta([slots[k] for k in group], [first_pos[k] for k in group], lens)
+        for pieces in wide_passes([len(t) for t in tokens], self.wide_pass_rows):
+            lens = [n for _, _, n in pieces]
+            ids = np.concatenate(
+                [np.asarray(tokens[k][a : a + n], dtype=np.int64) for k, a, n in pieces]
+            )
+            meta = self._meta(
+                [slots[k] for k, _, _ in pieces], [first_pos[k] + a for k, a, _ in pieces], lens
+            )
             ids_t = torch.from_numpy(ids).to(self.device, non_blocking=True)  # [rows]
             hidden = self._wide_forward(ids_t, meta)  # [rows, hidden]
-            if last_hidden:  # (a gather: a copy taken before the graph's next replay)
-                ends = torch.from_numpy(np.cumsum(lens) - 1).to(self.device, non_blocking=True)
-                last.append(hidden[ends])
+            ends = np.cumsum(lens) - 1  # [pieces] each piece's last row
+            done = [a + n == len(tokens[k]) for k, a, n in pieces]  # the sequence's last piece
+            if last_hidden and any(done):  # (a gather: a copy taken before the next replay)
+                rows = torch.from_numpy(ends[done]).to(self.device, non_blocking=True)
+                last.append(hidden[rows])
         if not last_hidden:
             return None
         return last[0] if len(last) == 1 else torch.cat(last)

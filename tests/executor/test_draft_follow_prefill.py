@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor.drafters.base import DraftRequest
+from executor.drafters.draft_model import wide_passes
 from tests.executor.test_draft_catchup import MAX_MODEL_LEN, MAX_SLOTS, make_drafter
 from tests.executor.test_drafters import draft_kv
 
@@ -74,3 +75,50 @@ def test_chunks_that_do_not_continue_the_draft_kv_are_left_to_the_catch_up(draft
     # a chunk past the drafter's positions is not taken
     assert drafter.follow_prefill([0], [16], [list(range(MAX_MODEL_LEN))]) == 0
     assert drafter.kv_len[0] == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 40), max_size=8), cap=st.integers(1, 32))
+def test_wide_passes_cover_every_row_once_in_order_and_fill_all_but_the_last(lens, cap):
+    passes = wide_passes(lens, cap)
+    pieces = [piece for p in passes for piece in p]
+    # every sequence's rows once, in order: its pieces are consecutive and tile 0..n
+    rows = [(k, a + i) for k, a, n in pieces for i in range(n)]
+    assert rows == [(k, i) for k, n in enumerate(lens) for i in range(n)]
+    sizes = [sum(n for _, _, n in p) for p in passes]
+    assert all(s == cap for s in sizes[:-1]) and all(0 < s <= cap for s in sizes)
+    assert len(passes) == -(-sum(lens) // cap)
+    # a sequence appears at most once per pass
+    assert all(len({k for k, _, _ in p}) == len(p) for p in passes)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    prompts=st.lists(st.integers(1, 50), min_size=1, max_size=MAX_SLOTS),
+    cap=st.integers(1, 40),
+)
+def test_wide_forwards_cut_into_passes_equal_one_forward(draft_model, seed, prompts, cap):
+    """Sequences cut across passes of `cap` rows write the same draft KV and end in the same
+    hidden states as one forward of all rows."""
+    rng = np.random.default_rng(seed)
+    vocab = draft_model.config.vocab_size
+    whole, cut = make_drafter(draft_model), make_drafter(draft_model)
+    whole.wide_pass_rows = sum(prompts)
+    cut.wide_pass_rows = cap
+    contexts = [rng.integers(1, vocab, n).tolist() for n in prompts]
+    starts = [int(rng.integers(0, n)) for n in prompts]  # rows computed before (< n)
+    before = [s for s, a in enumerate(starts) if a]
+    for d in (whole, cut):
+        if before:
+            d._wide_rows(
+                before, [0] * len(before), [contexts[s][: starts[s]] for s in before], False
+            )
+    slots = list(range(len(prompts)))
+    rest = [c[a:] for c, a in zip(contexts, starts)]
+    want = whole._wide_rows(slots, starts, rest, True)
+    got = cut._wide_rows(slots, starts, rest, True)
+    assert got.shape == (len(prompts), draft_model.config.hidden_size)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for s, n in enumerate(prompts):
+        torch.testing.assert_close(draft_kv(cut, s, n), draft_kv(whole, s, n))

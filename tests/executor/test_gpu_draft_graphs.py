@@ -98,16 +98,20 @@ def test_capture_graphs_ahead_and_profile_step_times():
     assert graphed[0][1] < eager[0][1]
 
 
-@pytest.mark.parametrize("max_passes", [1, 8])
-def test_graphed_catch_up_equals_eager_drafting(max_passes):
+@pytest.mark.parametrize("max_passes,wide_pass_rows", [(1, 2048), (8, 2048), (1, 40)])
+def test_graphed_catch_up_equals_eager_drafting(max_passes, wide_pass_rows):
     """Requests with different draft counts and lags of up to nine AR rounds (step 0 in graphed
-    passes of four rows, or past one pass a wide graph's replay): graphed drafting proposes
-    what eager drafting does and leaves the same draft KV."""
+    passes of four rows, or past one pass a wide graph's replay; with 40-row wide passes the
+    first round's prompts are cut across passes): graphed drafting proposes what eager
+    drafting does and leaves the same draft KV."""
     eager, graphed, rng, contexts = _eager_and_graphed(1, 5, (3, 30))
     vocab = graphed.model.config.vocab_size
     assert eager.catchup_rows_per_pass is None and graphed.catchup_rows_per_pass == 4
     assert eager.wide_graphs is None and graphed.max_catchup_passes == 1
+    assert graphed.wide_pass_rows == 2048 and graphed.wide_buckets[-1] == 2048
     graphed.max_catchup_passes = max_passes
+    graphed.wide_pass_rows = wide_pass_rows
+    assert sum(map(len, contexts.values())) > 40  # the cut passes are several
     for round_idx in range(8):
         for s in contexts:  # AR rounds before this one: 0 .. 9 tokens the drafter missed
             for _ in range(int(rng.integers(0, 10)) if round_idx % 3 == 1 else 0):

@@ -16,6 +16,7 @@ from scheduler.cost_model import (
     CALIB_PRIOR_COUNT,
     CostModel,
     ProfileCost,
+    wide_pass_padded_rows,
 )
 from tests.scheduler.test_lifecycle_invariants import PROFILE, PROFILES
 from tests.scheduler.test_policy_check import MEASURED_1130
@@ -440,6 +441,42 @@ def test_catch_ups_past_the_step_curve_use_the_measured_prompt_catch_up():
     assert float(prof.draft_step_ms(1024)) == pytest.approx(14.0)
     assert float(prof.draft_step_ms(1536)) == pytest.approx(17.0)
     assert float(prof.first_step_ms(1, 1023)) == pytest.approx(14.0)
+
+
+def test_wide_catch_ups_are_priced_at_their_padded_passes():
+    """A graphed drafter's long catch-up runs in passes of 2048 rows (all but the last full),
+    the last padded to its wide bucket: priced at the padded rows on every path."""
+    raw = json.loads(
+        (Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json").read_text()
+    )
+    d = raw["draft_model"]
+    d["catchup_rows_ms"] = [[64, 2.0], [1024, 4.0], [2048, 6.0], [4096, 11.0]]
+    d["catchup_rows_per_pass"], d["max_catchup_passes"] = 4, 1
+    flat = ProfileCost(raw)
+    d["catchup_pass_rows"], d["catchup_pass_buckets"] = 2048, [64, 1024, 1536, 2048]
+    padded = ProfileCost(raw)
+    # 1100 rows of one request: one pass at the 1536 bucket (5.0 ms), not at 1100 rows
+    assert float(padded.first_step_ms(1, 1099)) == pytest.approx(5.0)
+    assert float(flat.first_step_ms(1, 1099)) == pytest.approx(4.0 + 76 / 1024 * 2.0)
+    # 2100 rows: a full pass and 52 rows padded to 64: priced at 2112 rows
+    want = 6.0 + 64 / 2048 * 5.0
+    assert float(padded.first_step_ms(2, 2098)) == pytest.approx(want)
+    assert padded.first_step_ms_scalar(2, 2098) == pytest.approx(want)
+    assert padded.follow_ms(2100) == pytest.approx(want)
+    # whole buckets and full passes cost their measurements
+    for rows, ms in ([1024, 4.0], [2048, 6.0], [4096, 11.0]):
+        assert float(padded.first_step_ms(1, rows - 1)) == pytest.approx(ms)
+    # never below the unpadded price
+    rows = np.arange(1, 6000)
+    assert np.all(padded.first_step_ms(1, rows) >= flat.first_step_ms(1, rows) - 1e-9)
+
+
+@pytest.mark.parametrize(
+    "rows,want", [(0, 0), (1, 64), (64, 64), (65, 1024), (1100, 1536), (2048, 2048), (2049, 2112)]
+)
+def test_wide_pass_padded_rows(rows, want):
+    buckets = np.array([64, 1024, 1536, 2048])
+    assert int(wide_pass_padded_rows(np.array([rows]), 2048, buckets)[0]) == want
 
 
 def test_timing_noise_does_not_spread_the_speculating_buckets_apart():
