@@ -809,7 +809,7 @@ def _interp(points: list[list[float]], x: float) -> float:
 # that many rows and up to 16 of them at once past it (a batch entering speculation together);
 # 64 rows: a lag of a few dozen AR rounds, which a graphed drafter takes in one wide replay.
 CATCHUP_PROMPT_ROWS = 1024
-CATCHUP_ROWS = (64, 256, 1024, 2048, 4096, 16384)
+CATCHUP_ROWS = (64, 256, 512, 1024, 2048, 4096, 16384)
 
 
 def catchup_profile_rows(max_model_len: int) -> tuple[int, ...]:

@@ -79,6 +79,6 @@ def test_catch_up_past_one_prompt_is_timed_as_several_prompts_in_one_forward():
     # 32 rows: four prompts of 8 rows, caught up together in one forward per call
     assert rows_seen == [8] * 3 + [32] * 3
     # the profile's row counts: whole prompts of at most 1024 rows, up to 16 of them
-    assert catchup_profile_rows(4096) == (64, 256, 1024, 2048, 4096, 16384)
-    assert catchup_profile_rows(600) == (64, 256)
+    assert catchup_profile_rows(4096) == (64, 256, 512, 1024, 2048, 4096, 16384)
+    assert catchup_profile_rows(600) == (64, 256, 512)
     assert catchup_profile_rows(100) == ()

@@ -445,7 +445,7 @@ def test_catch_ups_past_the_step_curve_use_the_measured_prompt_catch_up():
 
 def test_wide_catch_ups_are_priced_at_their_padded_passes():
     """A graphed drafter's long catch-up runs in passes of 2048 rows (all but the last full),
-    the last padded to its wide bucket: priced at the padded rows on every path."""
+    the last padded to its wide bucket: priced so on every path."""
     raw = json.loads(
         (Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json").read_text()
     )
@@ -458,8 +458,8 @@ def test_wide_catch_ups_are_priced_at_their_padded_passes():
     # 1100 rows of one request: one pass at the 1536 bucket (5.0 ms), not at 1100 rows
     assert float(padded.first_step_ms(1, 1099)) == pytest.approx(5.0)
     assert float(flat.first_step_ms(1, 1099)) == pytest.approx(4.0 + 76 / 1024 * 2.0)
-    # 2100 rows: a full pass and 52 rows padded to 64: priced at 2112 rows
-    want = 6.0 + 64 / 2048 * 5.0
+    # 2100 rows: a full pass (what a second one adds: 11 - 6 ms) and 52 rows padded to 64
+    want = 5.0 + 2.0
     assert float(padded.first_step_ms(2, 2098)) == pytest.approx(want)
     assert padded.first_step_ms_scalar(2, 2098) == pytest.approx(want)
     assert padded.follow_ms(2100) == pytest.approx(want)
