@@ -229,8 +229,9 @@ def wide_catchup_ms(curve, rows: np.ndarray, cap: int, buckets: np.ndarray) -> n
     """A wide forward of `rows` rows run in passes of `cap` rows (all but the last full), priced
     from `curve` (ms by rows, vectorised: one forward of whole buckets measured): the last pass
     at its padded rows, each full pass before it at what a second pass adds to one,
-    curve(2 cap) - curve(cap). On the H200 (2026-11-30) this priced ragged catch-ups of 2-8
-    prompts within 5%, where the curve at the rows as they are was 3-19% under."""
+    curve(2 cap) - curve(cap). On the H200 (2026-11-30) catch-ups of 2-8 uneven prompts were
+    priced so 3-9% under their time, against 4-18% read at the rows as they are
+    (`docs/perf/catchup.md`)."""
     rows = np.asarray(rows, dtype=np.int64)
     full = np.maximum(-(-rows // cap) - 1, 0)  # full passes before the last
     last = wide_pass_padded_rows(rows - full * cap, cap, buckets)
