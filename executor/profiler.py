@@ -27,6 +27,12 @@ extended):
   request's context beyond `context_len` (the chain steps read every drafting request's draft
   KV): the slope of `propose_ms` between the reference context and a longer one, so that the
   cost model prices proposals at the contexts the batch really has;
+- `draft_model.catchup_rows_ms`: [rows, ms] the draft model catching up whole prompts of up to
+  1024 rows (several at once past that), what a request's first speculating round pays after a
+  prefill the drafter did not follow; with `catchup_rows_per_pass` and `max_catchup_passes`
+  (step-0 passes of a few rows per request) and, for a graphed drafter, `catchup_pass_rows` and
+  `catchup_pass_buckets` (its wide passes and the row buckets the last one pads to), by which
+  the cost model prices catch-ups of any length;
 - `target.spec_round_ratio`: [k, ratio] full-depth speculating rounds of k requests as the
   engine runs them (`Engine.step`: the executor's round plus the profile's host time around
   it; prompts spread over half to 1.5 times the reference context, as a served batch's) over

@@ -99,7 +99,7 @@ def ragged(model, groups: list[list[int]], repeats: int, out: str) -> int:
         standalone_drafter,
         time_draft_catchup,
     )
-    from scheduler.cost_model import _interp_linear_tail, wide_catchup_ms, wide_pass_padded_rows
+    from scheduler.cost_model import interp_linear_tail, wide_catchup_ms, wide_pass_padded_rows
 
     points = time_draft_catchup(
         model, catchup_profile_rows(4096), repeats, rows_per_req=CATCHUP_PROMPT_ROWS
@@ -109,7 +109,7 @@ def ragged(model, groups: list[list[int]], repeats: int, out: str) -> int:
     buckets = np.asarray(drafter.wide_buckets)
 
     def curve(rows):
-        return _interp_linear_tail(np.asarray(rows), xs, ys)
+        return interp_linear_tail(np.asarray(rows), xs, ys)
 
     g = torch.Generator().manual_seed(2)
     rows_out = []

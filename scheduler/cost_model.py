@@ -151,7 +151,7 @@ def _tail_slope(xs: np.ndarray, ys: np.ndarray) -> float:
     return max(float((ys[-1] - ys[-2]) / (xs[-1] - xs[-2])), 0.0)
 
 
-def _interp_linear_tail(x, xs: np.ndarray, ys: np.ndarray):
+def interp_linear_tail(x, xs: np.ndarray, ys: np.ndarray):
     """Piecewise-linear interpolation that continues the last segment past the end and is
     clamped to the first point below the start."""
     y = np.interp(x, xs, ys)
@@ -199,7 +199,7 @@ class _Curve:
 
     @classmethod
     def from_points(cls, xs: np.ndarray, ys: np.ndarray) -> _Curve:
-        table = _interp_linear_tail(np.arange(TABLE_ROWS), xs, ys)
+        table = interp_linear_tail(np.arange(TABLE_ROWS), xs, ys)
         return cls(table, _tail_slope(xs, ys))
 
     def __call__(self, rows):
