@@ -62,9 +62,6 @@ class SimExecutor:
         # prompt tokens whose draft KV the drafter computed alongside their prefill chunks
         self.slot_followed = np.zeros(num_slots, dtype=np.int64)
         self.slot_logprobs = np.zeros(num_slots, dtype=bool)  # the request asked for logprobs
-        # whether the last round was an AR-only decode round, the only kind the engine launches
-        # its successor ahead of (see run)
-        self.last_ran_ahead = False
 
     def run(self, plan: RoundPlan) -> RoundResult:
         for slot in plan.release:
@@ -164,15 +161,6 @@ class SimExecutor:
                 ms *= self.time_scale(plan.num_rows, num_spec > 0)
             if self.noise_sigma > 0:
                 ms *= math.exp(self.rng.gauss(0.0, self.noise_sigma))
-        # The engine launches a round ahead, while its predecessor computes, only after an
-        # AR-only decode round (its tokens stay on the device). The first AR round after a
-        # speculating or prefill round (or idle) runs alone: 1.17-1.23x its ahead price in the
-        # H200 record of 2026-11-30 15:30 UTC, where every other AR round ran at 1.00x.
-        ahead = plan.num_reqs > 0 and plan.is_decode_only and not num_spec
-        overlapped = ahead and self.last_ran_ahead
-        if ahead and not overlapped:
-            ms /= self.profile.ahead_ratio_scalar(rows)  # (as round_ms_scalar scaled it)
-        self.last_ran_ahead = ahead
         return RoundResult(
             round_id=plan.round_id,
             out=out,
@@ -181,7 +169,9 @@ class SimExecutor:
             num_padded_rows=rows,
             num_kv_tokens=plan.num_kv_tokens,
             graph_replayed=plan.row_bucket > 0,
-            overlapped=overlapped,
+            # the simulator prices every AR-only decode round as run ahead (the engine's
+            # steady state)
+            overlapped=plan.is_decode_only and not plan.decode.num_draft.any(),
         )
 
     def next_positions(self, slots) -> list[int]:

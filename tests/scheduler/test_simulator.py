@@ -180,32 +180,3 @@ def test_catchups_are_priced_as_the_engine_runs_them():
         assert ms == pytest.approx(
             float(profile.first_step_ms(np.array([num_spec]), np.array([lag]))[0])
         )
-
-
-def test_only_an_ar_round_after_an_ar_round_runs_ahead():
-    """The engine launches a round while its predecessor computes only after an AR-only decode
-    round: the simulator times the first AR round after a prefill round alone (its ahead price
-    over the profile's ahead ratio) and reports it not overlapped."""
-    from scheduler.cost_model import ProfileCost
-    from tests.scheduler.test_cost_model import _two_requests_on_the_simulator
-
-    raw = json.loads((PROFILES / "h200-qwen3-8b.json").read_text())
-    raw["target"]["ar_ahead_ratio"] = [[1, 0.8], [512, 0.8]]
-    profile = ProfileCost(raw)
-    sched, ex = _two_requests_on_the_simulator(profile, CostModel(profile), "ar", max_tokens=20)
-    kinds, prev_ar = [], False
-    while sched.has_work():
-        plan = sched.plan(0.0)
-        result = ex.run(plan)
-        ar = plan.num_reqs > 0 and plan.is_decode_only and not plan.decode.num_draft.any()
-        if ar:
-            ahead = profile.round_ms_scalar(
-                plan.row_bucket or plan.num_rows, plan.num_kv_tokens, padded=True
-            )
-            want = ahead if prev_ar else ahead / 0.8
-            assert result.timings.total_ms == pytest.approx(want)
-            assert result.overlapped == prev_ar
-            kinds.append(prev_ar)
-        prev_ar = ar
-        sched.update(result, 0.0)
-    assert True in kinds and False in kinds  # both kinds of AR round were run
