@@ -8,7 +8,9 @@ together they hold more repeats): every record kept with `--keep-rounds` is re-d
 then their runs are pooled, each record's repeats numbered after the previous record's. The
 summary, comparisons and targets are computed over the pooled runs; the profile, roofline, GPU
 idle and device are the first record's, and each point's simulator figures the first record's
-that has them. A note lists the pooled records.
+that has them. A note lists the pooled records, and `pooled_records` keeps each one's own
+adaptive / better fixed policy per point (a table in `gpu.md`), so that the spread between
+calls is in view.
 
 The record must keep every step (`--keep-rounds`). Each run's figures are recomputed from its
 steps with the current accounting (`gpu_bench_runs.summarize_steps`), then the summary, the
@@ -137,6 +139,17 @@ def pool(records: list[dict]) -> dict:
         points += [p for p in rec["config"]["points"] if p not in points]
         concurrency |= set(rec["config"]["concurrency"])
     pooled["runs"], pooled["skipped"] = runs, skipped  # (each record's runs not made)
+    # each record's own adaptive / better fixed policy, so a pooled figure's spread shows
+    pooled["pooled_records"] = [
+        {
+            "label": f"{rec['device']} {rec['date']} ({len(rec['runs'])} runs)",
+            "vs_best": [
+                [c["drafter"], c["cohort"], c["concurrency"], c["vs_best"]]
+                for c in rec.get("comparisons", [])
+            ],
+        }
+        for rec in records
+    ]
     pooled["config"] = {
         **first["config"],
         "points": points,

@@ -634,6 +634,7 @@ def test_records_of_one_workload_are_pooled(quick_record, tmp_path):
     means, twice the repeats); records of different workloads are refused with one line."""
     import copy
 
+    from loadtests import gpu_bench_report as report
     from loadtests.gpu_bench_rederive import main as rederive_main
     from loadtests.gpu_bench_rederive import pool
 
@@ -655,6 +656,24 @@ def test_records_of_one_workload_are_pooled(quick_record, tmp_path):
         [c["vs_best"] for c in record["comparisons"]]
     )
     assert "pooled from" in pooled["notes"][-1]
+    # each record's own ratios beside the pooled ones (a spoiled copy differs from the first)
+    spoiled = copy.deepcopy(record)
+    for c in spoiled["comparisons"]:
+        c["vs_best"] = 0.5
+    two = pool([copy.deepcopy(record), spoiled])
+    assert [p["vs_best"] for p in two["pooled_records"]] == [
+        [[c["drafter"], c["cohort"], c["concurrency"], c["vs_best"]] for c in r["comparisons"]]
+        for r in (record, spoiled)
+    ]
+    text = report.markdown(two)
+    assert "### Adaptive / better fixed policy in each pooled record" in text
+    c = record["comparisons"][0]
+    row = f"| {c['drafter']} | {c['cohort']} | {c['concurrency']} |"
+    section = text.split("### Adaptive / better fixed policy in each pooled record")[1]
+    line = next(x for x in section.splitlines() if x.startswith(row))
+    low = 1 + (c["vs_best"] < 0.98)
+    assert f"| {c['vs_best']:.3f} | 0.500 |" in line and f"| {low} of 2 |" in line
+    assert "### Adaptive / better fixed policy" not in report.markdown(record)
     # the command line: two records in, one pooled record out; another workload refused
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(record))
