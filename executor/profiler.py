@@ -748,11 +748,12 @@ def time_spec_round_ratio(
     are measured piece by piece (rounds alone, proposals alone, equal contexts); this is the
     factor that puts them together as the engine runs them, on contexts as uneven as a served
     batch's (the cost model prices a batch by its total context; uneven contexts cost more,
-    `loadtests.context_probe`). Over 8 steps two measurements of the same shapes differed by
-    10% on the H200 (2026-11-30 13:57 UTC, one request); hence 24. -> [[k, ratio], ...]"""
+    `loadtests.context_probe`). The price leaves out a factor `profile` already holds: the
+    factor is against the terms alone. -> [[k, ratio], ...]"""
     from scheduler.cost_model import ProfileCost
 
-    cost = ProfileCost(profile)
+    terms = {k: v for k, v in profile["target"].items() if k != "spec_round_ratio"}
+    cost = ProfileCost({**profile, "target": terms})
     out = []
     for c in concurrencies:
         ratios = []

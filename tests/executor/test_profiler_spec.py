@@ -239,3 +239,35 @@ def test_spec_round_ratio_runs_on_ragged_contexts_unless_asked_not_to(tmp_path):
     seen.clear()
     time_spec_round_ratio(engine, prof, (4,), context_len=16, num_steps=2, ragged=False)
     assert seen == [16] * 4
+
+
+def test_spec_round_ratio_prices_without_a_factor_the_profile_already_holds(monkeypatch):
+    """The factor is the engine's rounds over the terms' price alone: measured with a profile
+    that already holds one (the benchmark's equal-context comparison is), it is the same."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from executor import profiler
+
+    def steps(engine, c, prompt_len, num_steps, spec_mode, ragged):
+        stats = SimpleNamespace(
+            drafted_per_pos=[c] * 3,
+            num_spec=c,
+            num_prefill=0,
+            num_rows=4 * c,
+            num_kv_tokens=c * prompt_len,
+            measured_s=0.02,
+        )
+        return c, [(25.0, stats)] * 3
+
+    monkeypatch.setattr(profiler, "_engine_steps", steps)
+    raw = json.loads(
+        (Path(__file__).parents[2] / "scheduler/profiles/h200-qwen3-8b.json").read_text()
+    )
+    raw["target"].pop("spec_round_ratio", None)
+    alone = profiler.time_spec_round_ratio(None, raw, (1, 8), context_len=1024)
+    raw["target"]["spec_round_ratio"] = [[1, 2.0], [8, 0.5]]
+    held = profiler.time_spec_round_ratio(None, raw, (1, 8), context_len=1024)
+    assert [k for k, _ in alone] == [1, 8] and all(r > 0 for _, r in alone)
+    assert held == alone
