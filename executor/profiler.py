@@ -12,7 +12,7 @@ extended):
 - `target.rows_kv_ms`: the raw grid (rows, kv tokens per sequence, ms) the two were fitted from;
 - `target.prefill_rows_ms`: [rows, ms] whole rounds of prefill chunks (the starts of prompts of
   up to 1024 tokens, no decode rows), eager as such rounds run: what rounds with prefill chunks
-  are priced by;
+  are priced by (flat below the fewest rows, 32: the launch-bound floor of an eager round);
 - `target.spec_rows_ms`: [k, r, ms] whole rounds of k speculating sequences of r rows each
   (1 + drafts; k over the powers of two up to the slot count and the slot count, r in 2, 4, 8
   within the spec depth) at the reference context, with the same KV-term subtraction and host
@@ -69,15 +69,17 @@ from scheduler.plan import Mode, ReqPlan, RoundPlan, SamplingSpec, SeqSetup
 CACHE_DIR = Path.home() / ".cache" / "hipfire-serve" / "profiles"
 # Part of the cache key: raised when the profile gains a measurement the cost model prices by,
 # so that a profile cached before it is measured anew (2: `target.prefill_rows_ms`, 3:
-# `draft_model.kv_ms_per_token`, 4: `draft_model.catchup_pass_rows` / `catchup_pass_buckets`).
-PROFILE_FORMAT = 4
+# `draft_model.kv_ms_per_token`, 4: `draft_model.catchup_pass_rows` / `catchup_pass_buckets`,
+# 5: a 32-row point in `target.prefill_rows_ms`).
+PROFILE_FORMAT = 5
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
 DEFAULT_KV_LENS = (16, 512, 2048)
 # Prefill chunks timed for the profile (`target.prefill_rows_ms`), up to the round's prefill
 # budget plus a decode row per slot: rounds with a chunk run eagerly, and the graphed decode
 # rounds' curve continued linearly priced a 2048-token chunk of an 8B model at 35 ms against
-# 51 ms measured (H200, 2026-11-30).
-PREFILL_ROWS = (256, 1024, 2048, 4096)
+# 51 ms measured (H200, 2026-11-30). 32 rows: the floor of an eager round, bound by launching
+# its kernels (a prompt's short last chunk), which the cost model keeps flat below the first point.
+PREFILL_ROWS = (32, 256, 1024, 2048, 4096)
 PREFILL_CHUNK_ROWS = 1024  # tokens per prompt in those rounds (a typical prompt)
 
 

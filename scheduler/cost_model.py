@@ -297,14 +297,13 @@ class ProfileCost:
         self.name = profile.get("name", "profile")
         self._target = _Curve.from_points(self.target_rows, self.target_ms_points)
         # Rounds with prefill chunks run eagerly: priced by the profile's prefill rounds where it
-        # has them (`prefill_rows_ms`), the decode rounds' curve below the fewest rows measured
+        # has them (`prefill_rows_ms`), flat below the fewest rows measured. An eager round is
+        # bound by launching its kernels, not by its rows: on the H200 (2026-11-30 record) rounds
+        # with 9-18 prefill rows took 21.8-43.5 ms, which the graphed decode curve this used to
+        # follow there priced at 5.7-5.9 ms (256 rows: 17.7 ms profiled).
         prefill = np.asarray(target.get("prefill_rows_ms") or [], dtype=np.float64).reshape(-1, 2)
         if len(prefill):
-            below = self.target_rows < prefill[0, 0]
-            self._prefill = _Curve.from_points(
-                np.concatenate([self.target_rows[below], prefill[:, 0]]),
-                np.concatenate([self.target_ms_points[below], prefill[:, 1]]),
-            )
+            self._prefill = _Curve.from_points(prefill[:, 0], prefill[:, 1])
         else:
             self._prefill = self._target
         self._draft = _Curve.from_points(self.draft_rows, self.draft_ms_points)

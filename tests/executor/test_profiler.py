@@ -66,7 +66,7 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
         assert abs(ms - expect) < 2e-3, (r, ms, expect)
     # rounds of prefill chunks, prompts of at most max-model-len - 1 tokens (511 here): up to
     # the budget (2048) where the 4 slots hold them (1024 rows: 3 prompts; 2048 would take 5)
-    assert [r for r, _ in t["prefill_rows_ms"]] == [256, 1024]
+    assert [r for r, _ in t["prefill_rows_ms"]] == [32, 256, 1024]
     assert all(ms > 0 for _, ms in t["prefill_rows_ms"])
     # AR rounds run ahead: their period against the round alone, per AR row count (<= slots)
     assert [r for r, _ in t["ar_ahead_ratio"]] == [1, 2]

@@ -929,8 +929,11 @@ def test_rounds_with_prefill_chunks_are_priced_by_the_profiled_prefill_rounds():
     assert cost.round_ms_scalar(2048, 0, num_prefill_rows=2048) == pytest.approx(51.0)
     assert cost.round_ms_scalar(1536, 0, num_prefill_rows=1536) == pytest.approx(39.0)
     assert cost.round_ms_scalar(3072, 0, num_prefill_rows=3072) == pytest.approx(75.0)
-    # below the fewest prefill rows: the decode rounds' curve (eager, unpadded)
-    assert cost.prefill_target_ms(100) == pytest.approx(float(PROFILE.target_ms(100)))
+    # below the fewest prefill rows: flat (an eager round costs its launches, whatever its rows)
+    for rows in (1, 16, 100, 256):
+        assert float(cost.prefill_target_ms(rows)) == pytest.approx(9.0)
+    assert cost.round_ms_scalar(16, 0, num_prefill_rows=9) == pytest.approx(9.0)
+    assert cost.round_ms_scalar(16, 0, num_prefill_rows=9) > 1.9 * PROFILE.round_ms_scalar(16, 0)
     for rows, kv, depth, num_spec in ((1, 0, 0, 0), (40, 9000, 0, 0), (64, 60000, 7, 8)):
         # decode-only rounds keep the graphed decode curve
         assert cost.round_ms_scalar(rows, kv, depth, num_spec) == pytest.approx(
