@@ -32,7 +32,11 @@ class EngineConfig:
         "auto", "KV cache size: bytes with unit (e.g. 8GiB), or 'auto' (a share of free memory)"
     )
     block_size: int = _f(16, "tokens per KV cache block")
-    max_prefill_tokens: int = _f(2048, "prompt tokens prefilled per round (chunked prefill)")
+    max_prefill_tokens: int = _f(
+        2048,
+        "prompt tokens prefilled per round (chunked prefill; a prompt's rest of up to 1/8 of "
+        "it is taken along rather than left to a round of its own)",
+    )
     dtype: str = _f("auto", "weights dtype", choices=("auto", "bfloat16", "float16", "float32"))
     device: str = _f("auto", "torch device: 'auto' (cuda if present, else cpu), 'cuda:0', 'cpu'")
     graphs: str = _f(

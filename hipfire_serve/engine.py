@@ -36,7 +36,7 @@ from scheduler.cost_model import CostModel
 from scheduler.kv_blocks import num_blocks_for
 from scheduler.plan import Emitted, PhaseTimes, RoundPlan, RoundResult
 from scheduler.request import RequestSpec, RoundDeltas
-from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from scheduler.scheduler import QueueFullError, Scheduler, SchedulerConfig, max_chunk_rows
 
 log = logging.getLogger("hipfire_serve.engine")
 # whether freeze_heap has registered the unfreeze that lets the exit collection finalise the set-up
@@ -308,7 +308,7 @@ class Engine:
                 kv.v[0],
                 model.config.num_q_heads,
                 max_seqs=cfg.max_concurrency,
-                max_q_len=max(cfg.max_prefill_tokens, cfg.spec_depth),
+                max_q_len=max(max_chunk_rows(cfg.max_prefill_tokens), cfg.spec_depth),
                 max_kv_len=self.executor.max_blocks_per_seq * cfg.block_size,
             )
         torch.cuda.synchronize(self.device)

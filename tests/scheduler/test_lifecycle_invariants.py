@@ -268,3 +268,39 @@ def test_abort_while_decoding_frees_in_next_plan():
     assert plan.release == (slot0,)
     assert [q.req_id for q in plan.reqs] == [1]
     assert not sched.kv.holds(0)
+
+
+@pytest.mark.parametrize(
+    "prompts,chunks",
+    [
+        ((70,), [[70]]),  # a rest of 6 <= 64 / 8 goes with the chunk: one round
+        ((73,), [[64], [9]]),  # a rest of 9 does not
+        ((40, 30), [[40, 30]]),  # the second prompt's rest (6) goes along: 70 rows in a round
+        ((40, 40), [[40, 24], [16]]),
+    ],
+)
+def test_a_short_rest_of_a_prompt_goes_with_its_chunk(prompts, chunks):
+    """A prompt's rest of at most an eighth of the prefill budget is taken in the same round,
+    not left to an eager round of its own; no round takes more than max_chunk_rows rows."""
+    from scheduler.scheduler import max_chunk_rows
+
+    cfg = SchedulerConfig(max_concurrency=4, block_size=BLOCK_SIZE, max_prefill_tokens=64)
+    sched = Scheduler(cfg, num_kv_blocks=256, cost_model=CostModel(PROFILE))
+    for i, n in enumerate(prompts):
+        sched.add_request(
+            RequestSpec(
+                req_id=i,
+                prompt_token_ids=tuple(range(1, n + 1)),
+                sampling=SamplingSpec(),
+                max_tokens=3,
+            )
+        )
+    ex = SimExecutor(PROFILE, COHORTS["code"], 4, seed=0, noise_sigma=0.0)
+    seen = []
+    while sched.has_work():
+        plan = sched.plan(0.0)
+        if plan.prefills:
+            seen.append([r.num_new for r in plan.prefills])
+            assert sum(seen[-1]) <= max_chunk_rows(64)
+        sched.update(ex.run(plan), 0.0)
+    assert seen == chunks
