@@ -794,8 +794,8 @@ def drafter_spec_terms(engine, profile: dict, drafter, even: bool = False) -> di
     try:
         points = _host_points(ex.max_slots)
         host = time_engine_overhead(engine, points, spec_mode="spec")
+        # (time_spec_round_ratio prices without a factor `profile` may hold)
         priced = {**profile, "target": {**profile["target"], "spec_host_ms_per_round": host}}
-        priced["target"].pop("spec_round_ratio", None)
         ref = profile["target"].get("ref_kv_len") or 1024
         out = {"spec_host_ms_per_round": host}
         out["spec_round_ratio"] = time_spec_round_ratio(engine, priced, points, ref)

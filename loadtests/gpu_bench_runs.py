@@ -448,9 +448,9 @@ def run_grid(
         durations[(kind, c)] = max(durations.get((kind, c), 0.0), time.perf_counter() - t0)
         runs.append(run)
         # The runs' step records are the heap's growth: frozen between runs, they stay out of
-        # the collector's full passes, which otherwise scanned them inside measured rounds
-        # (~430k such objects take a 134 ms pass; host stalls of 50-100 ms charged to single
-        # rounds, 1-3 per record on the H200, 2026-11-30).
+        # the collector's full passes inside later runs' rounds (~430k such objects took a
+        # 134 ms pass on a CPU). The H200 record of 2026-11-30 15:30 UTC, with this, still had
+        # rounds at 2-7x their price: rounds with a prompt's short last chunk, not collections.
         engine.freeze_heap()
         full = run["full_live_tok_s"]
         if run["num_failed"]:

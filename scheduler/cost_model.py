@@ -121,12 +121,12 @@ def calib_class(has_spec, has_prefill=False):
 # - CALIB_DECAY: per-round confidence decay of every bucket; 0.995 halves confidence after ~140
 #   rounds without running it (a few seconds of serving), then the shape is re-probed.
 # - CALIB_OUTLIER_RATIO: one round counts at most this far (as a ratio) from the correction it
-#   updates. A host stall charged to one round (a pause of 50-100 ms between launches, a round
-#   measured at 4-19x its price: 1-3 times per benchmark record on the H200, 2026-11-30) moved
-#   a class's correction by its full weight: one AR round measured at 88 ms against 4.7 raised
-#   the AR correction to 1.75x, 190 rounds later it was still 1.40x, and meanwhile
-#   speculation was priced +8% to +74% against AR and run at a loss (prose-like text at C = 1:
-#   0.86x all-AR in that run). A real shift of the device's pace still moves the correction by
+#   updates. A round measured far off its price (4-19x, 1-3 times per benchmark record on the
+#   H200, 2026-11-30; in the 15:30 UTC record every such round carried a prompt's short last
+#   chunk) moved a class's correction by its full weight: one AR round measured at 88 ms
+#   against 4.7 raised the AR correction to 1.75x, 190 rounds later it was still 1.40x, and
+#   meanwhile speculation was priced +8% to +74% against AR and run at a loss (prose-like text
+#   at C = 1: 0.86x all-AR in that run). A real shift of the device's pace still moves the correction by
 #   up to CALIB_ALPHA x log(1.5) (8%) per round.
 CALIB_ALPHA = 0.2
 CALIB_PRIOR_COUNT = 30.0

@@ -121,9 +121,14 @@ def _f(default, help_: str):
 PREFILL_TAIL_DIV = 8
 
 
+def prefill_tail_rows(max_prefill_tokens: int) -> int:
+    """A prompt's rest taken with its chunk past a prefill budget, at most."""
+    return max_prefill_tokens // PREFILL_TAIL_DIV
+
+
 def max_chunk_rows(max_prefill_tokens: int) -> int:
     """The most prompt rows one round takes under a prefill budget (its short-rest allowance)."""
-    return max_prefill_tokens + max_prefill_tokens // PREFILL_TAIL_DIV
+    return max_prefill_tokens + prefill_tail_rows(max_prefill_tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -544,7 +549,7 @@ class Scheduler:
             if len(self._live) > len(self._dec_slots) or self._dec_dirty
             else []
         )
-        tail = cfg.max_prefill_tokens // PREFILL_TAIL_DIV
+        tail = prefill_tail_rows(cfg.max_prefill_tokens)
         for req in prefilling:
             if budget <= 0:
                 break

@@ -95,7 +95,7 @@ def test_unseen_shapes_keep_the_profile_and_get_reprobed():
 
 
 def test_one_outlier_round_moves_the_correction_by_a_bounded_step_a_real_shift_is_followed():
-    """A host stall charged to one round (measured at 19x its price) moves its class's
+    """One round measured at 19x its price (a stall, an eager short chunk) moves its class's
     correction by at most CALIB_ALPHA x log(CALIB_OUTLIER_RATIO); a lasting change of pace
     is still followed within tens of rounds, up or down."""
     model = CostModel(PROFILE)
