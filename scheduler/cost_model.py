@@ -126,8 +126,8 @@ def calib_class(has_spec, has_prefill=False):
 #   chunk) moved a class's correction by its full weight: one AR round measured at 88 ms
 #   against 4.7 raised the AR correction to 1.75x, 190 rounds later it was still 1.40x, and
 #   meanwhile speculation was priced +8% to +74% against AR and run at a loss (prose-like text
-#   at C = 1: 0.86x all-AR in that run). A real shift of the device's pace still moves the correction by
-#   up to CALIB_ALPHA x log(1.5) (8%) per round.
+#   at C = 1: 0.86x all-AR in that run). A real shift of the device's pace still moves the
+#   correction by up to CALIB_ALPHA x log(1.5) (8%) per round.
 CALIB_ALPHA = 0.2
 CALIB_PRIOR_COUNT = 30.0
 CALIB_DECAY = 0.995
