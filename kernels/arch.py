@@ -119,7 +119,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             min_split_len=512, max_splits=32, short_ctx_len=4096,
             min_split_len_short=128, programs_per_sm_m16=4, programs_per_sm_m32=3,
             programs_per_sm=2,
-            programs_per_sm_large=2, fused_merge=1,
+            programs_per_sm_large=2, fused_merge=0,
         ),
         row_warps=8,
         vocab_chunk=4096,
