@@ -1063,6 +1063,9 @@ class Scheduler:
             self._inflight.pop(0)
         else:
             plan = None
+        # The round's period: a speculating round's also holds the engine's host time around
+        # it, which the executor's measurement leaves out and its price includes.
+        period_ms = measured_ms
         if measured_ms > 0:
             self.admission.charge(measured_ms / 1e3)
             if plan is not None and raw_ms > 0:
@@ -1070,13 +1073,15 @@ class Scheduler:
                 # alone: the correction stays about the model, not about the overlap
                 raw = raw_ms if result.overlapped else raw_alone
                 if plan.spec_depth > 1:  # the engine's host time is not in the executor's
-                    raw -= self.cost_model.profile.round_spec_host_ms(
+                    host_ms = self.cost_model.profile.round_spec_host_ms(
                         plan.num_rows,
                         sum(q.num_new for q in plan.prefills),
                         int(np.count_nonzero(plan.decode.num_draft)),
                         plan.spec_depth - 1,
                         int(plan.decode.num_draft.sum()),
                     )
+                    raw -= host_ms
+                    period_ms += host_ms
                 self.cost_model.observe(
                     plan.num_rows, plan.spec_depth > 1, raw, measured_ms, bool(plan.prefills)
                 )
@@ -1121,7 +1126,8 @@ class Scheduler:
                 q, out, n + j, tokens[starts[n + j] : starts[n + j + 1]], cols, plan.follow_prefill
             )
         if self._round_ar_rate > 0:
-            self.rate_tracker.observe(int(starts[-1]), measured_ms, self._round_ar_rate)
+            # (in the currency of the plans it is compared with: priced periods)
+            self.rate_tracker.observe(int(starts[-1]), period_ms, self._round_ar_rate)
         return cols.build()
 
     def _apply_decode(

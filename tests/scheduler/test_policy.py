@@ -282,3 +282,44 @@ def test_a_probe_rounds_positions_weigh_more_in_the_calibration():
             plan_probes.append(plan.probe)
     assert plan_probes == [True, False]
     assert weights == [PROBE_CALIB_WEIGHT, 1.0] and PROBE_CALIB_WEIGHT > 1.0
+
+
+def test_rate_bar_counts_a_speculating_rounds_host_time():
+    """The bar is compared with plans priced as periods (the engine's host time around a
+    speculating round included); the executor's measurement leaves that time out, so the
+    tracker is fed the measurement plus the profile's host time of the round."""
+    from scheduler.cost_model import ProfileCost
+    from scheduler.sim.policy_check import load_profile
+    from tests.scheduler.test_policy_check import ROOT
+
+    profile = ProfileCost(
+        load_profile(ROOT / "scheduler" / "profiles" / "h200-qwen3-8b-bench-2026-11-30.json")
+    )
+    cfg = SchedulerConfig(max_concurrency=4, spec_depth=8, spec_mode="spec")
+    sched = Scheduler(cfg, 20000, CostModel(profile))
+    ex = SimExecutor(profile, EASY, cfg.max_concurrency, seed=0)
+    for spec in specs(4):
+        sched.add_request(spec)
+    fed = []
+    observe = sched.rate_tracker.observe
+
+    def record(tokens, ms, rate):
+        fed.append(ms)
+        observe(tokens, ms, rate)
+
+    sched.rate_tracker.observe = record
+    now, checked = 0.0, 0
+    for _ in range(12):
+        plan = sched.plan(now)
+        result = ex.run(plan)
+        now += result.timings.total_ms / 1e3
+        fed.clear()
+        sched.update(result, now)
+        if plan.is_decode_only and plan.spec_depth > 1:
+            host = profile.round_spec_host_ms(
+                plan.num_rows, 0, int(np.count_nonzero(plan.decode.num_draft)),
+                plan.spec_depth - 1, int(plan.decode.num_draft.sum()),
+            )  # fmt: skip
+            assert host > 0 and fed == [result.timings.total_ms + host]
+            checked += 1
+    assert checked > 5
