@@ -544,7 +544,7 @@ class AdaptivePolicy:
             # better to spend the saved time on than its own rounds, and an AR round launched
             # ahead keeps the next ones AR (planned behind it, then held by the dwell) until
             # the bar has decayed. On the H200 (ngram, mixed, C = 16, 2026-11-30 17:36 and
-            # 17:46 UTC) such exits put 4-5 of ~40 full-live rounds in AR at 0.6x the rate
+            # 17:46 UTC) such exits put 4-5 of ~40 full-live rounds in AR at 0.7x the rate
             # of the speculating ones: adaptive at 0.89x all-spec. In the simulator (the
             # same record's profile, its three variants, C = 1..128, 4 seeds) the points
             # below 0.98 x the better fixed policy went from 11 to 7, geometric mean +0.5%.
