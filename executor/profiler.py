@@ -70,8 +70,8 @@ CACHE_DIR = Path.home() / ".cache" / "hipfire-serve" / "profiles"
 # Part of the cache key: raised when the profile gains a measurement the cost model prices by,
 # so that a profile cached before it is measured anew (2: `target.prefill_rows_ms`, 3:
 # `draft_model.kv_ms_per_token`, 4: `draft_model.catchup_pass_rows` / `catchup_pass_buckets`,
-# 5: a 32-row point in `target.prefill_rows_ms`).
-PROFILE_FORMAT = 5
+# 5: a 32-row point in `target.prefill_rows_ms`, 6: `target.ar_restart_ms`).
+PROFILE_FORMAT = 6
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
 DEFAULT_KV_LENS = (16, 512, 2048)
 # Prefill chunks timed for the profile (`target.prefill_rows_ms`), up to the round's prefill
@@ -734,6 +734,112 @@ def time_engine_overhead(
     return out
 
 
+class SwitchingPolicy:
+    """Every request drafts its full depth for `spec_rounds` rounds, then `ar_rounds` rounds
+    decode plainly, over and over (time_ar_restart's rounds)."""
+
+    name = "switching"
+
+    def __init__(self, spec_rounds: int, ar_rounds: int):
+        self.period = spec_rounds + ar_rounds
+        self.spec_rounds = spec_rounds
+        self.num_decided = 0
+
+    def decide(self, view, estimator, cost_model):
+        from scheduler.policy import AllSpecPolicy, Decision
+
+        spec = self.num_decided % self.period < self.spec_rounds
+        self.num_decided += 1
+        if spec:
+            return AllSpecPolicy().decide(view, estimator, cost_model)
+        return Decision(np.zeros(len(view.req_ids), dtype=np.int64), "switching: AR")
+
+
+def time_ar_restart(
+    engine,
+    concurrencies: tuple[int, ...],
+    prompt_len: int = 64,
+    num_cycles: int = 8,
+    spec_rounds: int = 2,
+    ar_rounds: int = 5,
+) -> list[list[float]]:
+    """What the switch from speculating back to AR costs, per live request count: the wall time
+    of the first AR round after a speculating one over a steady AR round's, medians over
+    `num_cycles` switches. AR rounds run ahead, one behind the other; the first after a
+    speculating round starts from an idle pipeline, and the step that launches it finishes no
+    round, so its wall time is counted with that round. On the H200 (2026-11-30) this came to
+    2.1-3.1 ms at 1 to 128 requests of an 8B model, against a steady AR step of 4.6-10.6 ms.
+    Needs a drafter and rounds run ahead; -> [[c, ms], ...]"""
+    if engine.drafter is None or not engine.config.overlap_rounds:
+        return []
+    out = []
+    for c in concurrencies:
+        saved = engine.scheduler
+        try:
+            engine.scheduler = engine._make_scheduler("spec", None)
+            engine.scheduler.policy = SwitchingPolicy(spec_rounds, ar_rounds)
+            steps = _switch_steps(engine, c, prompt_len, num_cycles * (spec_rounds + ar_rounds))
+        finally:
+            engine.scheduler = saved
+        first, steady = [], []
+        carried, prev = 0.0, ""
+        for wall_ms, route in steps:
+            if not route:  # a step that launched a round ahead and finished none
+                carried += wall_ms
+                continue
+            if "S" not in route and "P" not in route:  # an AR round
+                if "S" in prev:
+                    first.append(wall_ms + carried)
+                elif not carried:
+                    steady.append(wall_ms)
+            carried, prev = 0.0, route
+        if first and steady:
+            restart = max(statistics.median(first) - statistics.median(steady), 0.0)
+            out.append([c, round(restart, 4)])
+    return out
+
+
+def _switch_steps(engine, c: int, prompt_len: int, num_steps: int) -> list[tuple[float, str]]:
+    """`num_steps` steps of c greedy requests under the scheduler in place, after their
+    prefill and 3 settling steps: [(wall ms of `Engine.step`, the route of the round it
+    finished, "" for none)]. Aborts them and drains afterwards."""
+    from hipfire_serve.types import SamplingParams
+
+    depth = engine.config.spec_depth
+    max_tokens = min((num_steps + 16) * depth, engine.max_model_len - prompt_len)
+    blocks_each = -(-(prompt_len + max_tokens) // engine.config.block_size) + 1
+    c = min(c, engine.scheduler.config.max_queue, engine.num_kv_blocks // blocks_each)
+    if c < 1 or max_tokens < num_steps + 4:
+        return []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(c)
+    ids = [f"profile-switch-{c}-{i}" for i in range(c)]
+    for req_id in ids:
+        prompt = torch.randint(1, engine.target.config.vocab_size, (prompt_len,), generator=g)
+        engine.add_request(req_id, prompt.tolist(), params)
+    steps = []
+    try:
+        while engine.scheduler.stats.num_prefilling or engine.scheduler.num_waiting:
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        engine.stats()  # (round records so far dropped: each step's record is its own)
+        for _ in range(num_steps):
+            if not engine.has_unfinished():
+                break
+            t0 = time.perf_counter()
+            engine.step()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            rounds = engine.stats().rounds
+            steps.append((wall_ms, rounds[-1].route if rounds else ""))
+    finally:
+        for req_id in ids:
+            engine.abort(req_id)
+        while engine.has_unfinished():
+            engine.step()
+    return steps
+
+
 def time_spec_round_ratio(
     engine,
     profile: dict,
@@ -931,8 +1037,10 @@ def build_profile(
     ref = min(measured, key=lambda k: abs(k - (ref_kv_len or 1024)))
     host_ms = time_engine_overhead(engine, _host_points(ex.max_slots)) if host_overhead else []
     spec_host_ms = []
+    ar_restart = []
     if host_overhead and engine.drafter is not None:
         spec_host_ms = time_engine_overhead(engine, _host_points(ex.max_slots), spec_mode="spec")
+        ar_restart = time_ar_restart(engine, _host_points(ex.max_slots))
     # AR rounds run ahead (the engine's default): the host's build and commit hide behind the
     # device, so such a round costs its period, a fraction of the round alone measured above
     ahead_ratio = []
@@ -1014,6 +1122,7 @@ def build_profile(
             "host_ms_per_round": host_ms,
             "spec_host_ms_per_round": spec_host_ms,
             "ar_ahead_ratio": ahead_ratio,
+            "ar_restart_ms": ar_restart,
         },
     }
     draft_model = getattr(engine.drafter, "model", None)

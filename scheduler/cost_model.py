@@ -52,7 +52,10 @@ cannot run ahead (its successor's drafts need its accepted tokens), so the engin
 around it (planning, the scheduler's update, output collection) adds to its period: the
 profile's `spec_host_ms_per_round` over the round's decoding requests (absent: 0). That term
 is the engine's, not the executor's: calibration compares the executor's measured time with
-the prediction without it (`spec_host_ms_scalar`).
+the prediction without it (`spec_host_ms_scalar`). The first AR round after a speculating round
+starts from an idle pipeline: `ar_restart_ms` (by decoding requests; absent: 0) is what it costs
+beyond a steady AR round, also the engine's (`ar_restart_ms_scalar`; the simulator charges it,
+the round prices do not).
 
 `target(r)` interpolates the profiled dense cost (projections, MLP, LM head) between its points
 and extends the last segment linearly; attention is not in those numbers, hence the KV term with
@@ -287,6 +290,12 @@ class ProfileCost:
             np.arange(TABLE_ROWS), spec_ratio[:, 0], np.clip(spec_ratio[:, 1], 0.5, 3.0)
         )  # [TABLE_ROWS]
         self._spec_ratio_list = self._spec_ratio.tolist()
+        # the switch from speculating back to AR: what the first AR round after a speculating
+        # one costs beyond a steady AR round, by decoding requests (absent: 0)
+        restart = np.asarray(target.get("ar_restart_ms") or [[1, 0.0]], dtype=np.float64)
+        self._restart_list = np.interp(
+            np.arange(TABLE_ROWS), restart[:, 0], np.maximum(restart[:, 1], 0)
+        ).tolist()
         ratio = np.asarray(target.get("ar_ahead_ratio") or [[1, 1.0]], dtype=np.float64)
         # flat outside the measured row counts (np.interp clamps)
         self._ahead_ratio = _Curve(
@@ -578,6 +587,12 @@ class ProfileCost:
 
     def spec_host_ms_scalar(self, num_seqs: int) -> float:
         return self._spec_host_list[min(max(num_seqs, 0), TABLE_ROWS - 1)]
+
+    def ar_restart_ms_scalar(self, num_seqs: int) -> float:
+        """The switch back to AR: the first AR round after a speculating round, `num_seqs`
+        decoding requests, costs this beyond a steady AR round (the profile's `ar_restart_ms`;
+        the engine launches it ahead from an idle pipeline)."""
+        return self._restart_list[min(max(num_seqs, 0), TABLE_ROWS - 1)]
 
     def round_spec_host_ms(
         self,

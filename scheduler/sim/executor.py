@@ -62,6 +62,8 @@ class SimExecutor:
         # prompt tokens whose draft KV the drafter computed alongside their prefill chunks
         self.slot_followed = np.zeros(num_slots, dtype=np.int64)
         self.slot_logprobs = np.zeros(num_slots, dtype=bool)  # the request asked for logprobs
+        # whether the last round with requests speculated (the next AR round pays the switch)
+        self.last_speculated = False
 
     def run(self, plan: RoundPlan) -> RoundResult:
         for slot in plan.release:
@@ -157,6 +159,10 @@ class SimExecutor:
                 self.last_host_ms = self.profile.round_spec_host_ms(
                     plan.num_rows, num_prefill_rows, num_spec, depth, int(num_draft.sum())
                 )
+            elif self.last_speculated and plan.is_decode_only:
+                # the switch back to AR: this round starts the run-ahead pipeline anew
+                self.last_host_ms = self.profile.ar_restart_ms_scalar(len(plan.decode))
+            self.last_speculated = num_spec > 0
             if self.time_scale is not None:
                 ms *= self.time_scale(plan.num_rows, num_spec > 0)
             if self.noise_sigma > 0:

@@ -78,6 +78,9 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
     # speculating rounds cannot run ahead: the engine's host time around them, by requests
     spec_host = {int(c): ms for c, ms in t["spec_host_ms_per_round"]}
     assert sorted(spec_host) == [1, 4] and all(ms >= 0 for ms in spec_host.values())
+    # the switch from speculating back to AR, by live requests
+    restart = {int(c): ms for c, ms in t["ar_restart_ms"]}
+    assert sorted(restart) == [1, 4] and all(ms >= 0 for ms in restart.values())
     cm = CostModel.from_file(out)
     assert cm.predict_ms(2, 32) > 0
     # a round of 4 requests drafting one token each: 8 rows, 4 decoding requests

@@ -180,3 +180,32 @@ def test_catchups_are_priced_as_the_engine_runs_them():
         assert ms == pytest.approx(
             float(profile.first_step_ms(np.array([num_spec]), np.array([lag]))[0])
         )
+
+
+def test_the_switch_back_to_ar_costs_the_profiles_restart():
+    """The first AR round after a speculating round starts the engine's run-ahead pipeline
+    anew: the simulator adds the profile's `ar_restart_ms` to that round's period (outside the
+    executor's time, which calibration compares), and nothing to other AR rounds."""
+    from executor.profiler import SwitchingPolicy
+    from scheduler.cost_model import ProfileCost
+    from tests.scheduler.test_cost_model import _two_requests_on_the_simulator
+
+    raw = json.loads((PROFILES / "h200-qwen3-8b.json").read_text())
+    raw["target"]["ar_restart_ms"] = [[1, 3.0], [2, 5.0]]
+    profile = ProfileCost(raw)
+    sched, ex = _two_requests_on_the_simulator(profile, CostModel(profile), "spec", max_tokens=60)
+    sched.policy = SwitchingPolicy(spec_rounds=1, ar_rounds=3)
+    charged, prev_spec = [], False
+    while sched.has_work():
+        plan = sched.plan(0.0)
+        result = ex.run(plan)
+        spec = bool(plan.decode.num_draft.any())
+        if plan.num_reqs and plan.is_decode_only and not spec:
+            charged.append((prev_spec, ex.last_host_ms))
+            want = profile.ar_restart_ms_scalar(len(plan.decode)) if prev_spec else 0.0
+            assert ex.last_host_ms == pytest.approx(want)
+        if plan.num_reqs:
+            prev_spec = spec
+        sched.update(result, 0.0)
+    assert {p for p, _ in charged} == {True, False}  # both kinds of AR round ran
+    assert 5.0 in {ms for _, ms in charged}  # two requests: the profile's 2-request point
