@@ -666,9 +666,17 @@ def prompt_lens(c: int, prompt_len: int, ragged: bool) -> list[int]:
 
 
 def _run_steps(
-    engine, c: int, prompt_len: int, num_steps: int, spec_mode: str, ragged: bool = False
+    engine,
+    c: int,
+    prompt_len: int,
+    num_steps: int,
+    spec_mode: str,
+    ragged: bool = False,
+    every_step: bool = False,
 ):
-    """_engine_steps on the throw-away scheduler already in place."""
+    """_engine_steps on the throw-away scheduler already in place. `every_step`: the steps that
+    finish no round are kept too (with None for the round), and the device is not synchronised
+    before a step, so rounds run ahead as in serving."""
     from hipfire_serve.types import SamplingParams
 
     longest = max(prompt_lens(2, prompt_len, ragged))
@@ -695,16 +703,18 @@ def _run_steps(
             engine.step()
         for _ in range(3):  # settle: the first decode rounds may still capture graphs
             engine.step()
+        engine.stats()  # (round records so far dropped: each step's record is its own)
         for _ in range(num_steps):
             if not engine.has_unfinished():
                 break  # (speculating requests can run out of tokens first)
-            _sync(engine.device)
+            if not every_step:
+                _sync(engine.device)
             t0 = time.perf_counter()
             engine.step()
             wall_ms = (time.perf_counter() - t0) * 1e3
             rounds = engine.stats().rounds
-            if rounds:
-                steps.append((wall_ms, rounds[-1]))
+            if rounds or every_step:
+                steps.append((wall_ms, rounds[-1] if rounds else None))
     finally:
         for req_id in ids:
             engine.abort(req_id)
@@ -778,15 +788,17 @@ def time_ar_restart(
         try:
             engine.scheduler = engine._make_scheduler("spec", None)
             engine.scheduler.policy = SwitchingPolicy(spec_rounds, ar_rounds)
-            steps = _switch_steps(engine, c, prompt_len, num_cycles * (spec_rounds + ar_rounds))
+            num_steps = num_cycles * (spec_rounds + ar_rounds)
+            _, steps = _run_steps(engine, c, prompt_len, num_steps, "spec", every_step=True)
         finally:
             engine.scheduler = saved
         first, steady = [], []
         carried, prev = 0.0, ""
-        for wall_ms, route in steps:
-            if not route:  # a step that launched a round ahead and finished none
+        for wall_ms, stats in steps:
+            if stats is None:  # a step that launched a round ahead and finished none
                 carried += wall_ms
                 continue
+            route = stats.route
             if "S" not in route and "P" not in route:  # an AR round
                 if "S" in prev:
                     first.append(wall_ms + carried)
@@ -797,47 +809,6 @@ def time_ar_restart(
             restart = max(statistics.median(first) - statistics.median(steady), 0.0)
             out.append([c, round(restart, 4)])
     return out
-
-
-def _switch_steps(engine, c: int, prompt_len: int, num_steps: int) -> list[tuple[float, str]]:
-    """`num_steps` steps of c greedy requests under the scheduler in place, after their
-    prefill and 3 settling steps: [(wall ms of `Engine.step`, the route of the round it
-    finished, "" for none)]. Aborts them and drains afterwards."""
-    from hipfire_serve.types import SamplingParams
-
-    depth = engine.config.spec_depth
-    max_tokens = min((num_steps + 16) * depth, engine.max_model_len - prompt_len)
-    blocks_each = -(-(prompt_len + max_tokens) // engine.config.block_size) + 1
-    c = min(c, engine.scheduler.config.max_queue, engine.num_kv_blocks // blocks_each)
-    if c < 1 or max_tokens < num_steps + 4:
-        return []
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    g = torch.Generator().manual_seed(c)
-    ids = [f"profile-switch-{c}-{i}" for i in range(c)]
-    for req_id in ids:
-        prompt = torch.randint(1, engine.target.config.vocab_size, (prompt_len,), generator=g)
-        engine.add_request(req_id, prompt.tolist(), params)
-    steps = []
-    try:
-        while engine.scheduler.stats.num_prefilling or engine.scheduler.num_waiting:
-            engine.step()
-        for _ in range(3):
-            engine.step()
-        engine.stats()  # (round records so far dropped: each step's record is its own)
-        for _ in range(num_steps):
-            if not engine.has_unfinished():
-                break
-            t0 = time.perf_counter()
-            engine.step()
-            wall_ms = (time.perf_counter() - t0) * 1e3
-            rounds = engine.stats().rounds
-            steps.append((wall_ms, rounds[-1].route if rounds else ""))
-    finally:
-        for req_id in ids:
-            engine.abort(req_id)
-        while engine.has_unfinished():
-            engine.step()
-    return steps
 
 
 def time_spec_round_ratio(
