@@ -33,6 +33,9 @@ extended):
   (step-0 passes of a few rows per request) and, for a graphed drafter, `catchup_pass_rows` and
   `catchup_pass_buckets` (its wide passes and the row buckets the last one pads to), by which
   the cost model prices catch-ups of any length;
+- `target.ar_restart_ms`: [c, ms] what the first AR round after a speculating round costs beyond
+  a steady AR round, at c live requests (`time_ar_restart`: the engine relaunches its run-ahead
+  pipeline there); the simulator charges it;
 - `target.spec_round_ratio`: [k, ratio] full-depth speculating rounds of k requests as the
   engine runs them (`Engine.step`: the executor's round plus the profile's host time around
   it; prompts spread over half to 1.5 times the reference context, as a served batch's) over
@@ -777,9 +780,10 @@ def time_ar_restart(
     of the first AR round after a speculating one over a steady AR round's, medians over
     `num_cycles` switches. AR rounds run ahead, one behind the other; the first after a
     speculating round starts from an idle pipeline, and the step that launches it finishes no
-    round, so its wall time is counted with that round. On the H200 (2026-11-30) this came to
-    2.1-3.1 ms at 1 to 128 requests of an 8B model, against a steady AR step of 4.6-10.6 ms.
-    Needs a drafter and rounds run ahead; -> [[c, ms], ...]"""
+    round, so its wall time is counted with that round. Read the same way from the step records
+    of the H200 benchmark record of 2026-11-30 17:36 UTC (not by this function, which came
+    after it), it was 2.1-3.1 ms at 1 to 128 requests of an 8B model, against a steady AR step of
+    4.6-10.6 ms. Needs a drafter and rounds run ahead; -> [[c, ms], ...]"""
     if engine.drafter is None or not engine.config.overlap_rounds:
         return []
     out = []

@@ -89,9 +89,6 @@ class AttentionTiles:
     programs_per_sm_m32: int
     programs_per_sm: int
     programs_per_sm_large: int
-    # 1: in a split launch the last program of a tile to finish merges the tile's partials
-    # (an arrival counter per tile and KV head), so no merge kernel runs; 0: the merge kernel.
-    fused_merge: int
 
 
 @dataclass(frozen=True)
@@ -119,7 +116,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             min_split_len=512, max_splits=32, short_ctx_len=4096,
             min_split_len_short=128, programs_per_sm_m16=4, programs_per_sm_m32=3,
             programs_per_sm=2,
-            programs_per_sm_large=2, fused_merge=0,
+            programs_per_sm_large=2,
         ),
         row_warps=8,
         vocab_chunk=4096,
@@ -138,7 +135,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             min_split_len=512, max_splits=32, short_ctx_len=0,
             min_split_len_short=512, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
-            programs_per_sm_large=2, fused_merge=0,
+            programs_per_sm_large=2,
         ),
         row_warps=8,
         vocab_chunk=4096,
@@ -157,7 +154,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             min_split_len=512, max_splits=32, short_ctx_len=0,
             min_split_len_short=512, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
-            programs_per_sm_large=2, fused_merge=0,
+            programs_per_sm_large=2,
         ),
         row_warps=8,
         vocab_chunk=4096,
@@ -176,7 +173,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             min_split_len=256, max_splits=16, short_ctx_len=0,
             min_split_len_short=256, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
-            programs_per_sm_large=2, fused_merge=0,
+            programs_per_sm_large=2,
         ),
         row_warps=4,
         vocab_chunk=2048,
@@ -195,7 +192,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             min_split_len=256, max_splits=16, short_ctx_len=0,
             min_split_len_short=256, programs_per_sm_m16=4, programs_per_sm_m32=4,
             programs_per_sm=4,
-            programs_per_sm_large=2, fused_merge=0,
+            programs_per_sm_large=2,
         ),
         row_warps=4,
         vocab_chunk=2048,
@@ -214,7 +211,7 @@ FAMILY_CONFIGS: dict[str, ArchConfig] = {
             min_split_len=256, max_splits=16, short_ctx_len=0,
             min_split_len_short=256, programs_per_sm_m16=2, programs_per_sm_m32=2,
             programs_per_sm=2,
-            programs_per_sm_large=1, fused_merge=0,
+            programs_per_sm_large=1,
         ),
         row_warps=4,
         vocab_chunk=2048,

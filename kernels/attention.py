@@ -23,11 +23,8 @@ element of `out` is written. Axis 1 = KV heads, axis 2 = KV splits.
 
 Split-KV: when few tiles would leave SMs idle (batch 1, long context), axis 2 cuts each tile's
 KV range into `num_splits` pieces; each writes its normalised partial output and log2-sum-exp,
-and they are combined by an online-softmax merge: with the arch table's `fused_merge`, by the
-last program of the tile to finish (it counts arrivals in a per-device buffer of int32
-counters, `arrival_counters`, and resets its counter), otherwise by `_merge_splits_kernel`
-after the grid. The split count fills at most one wave of program slots (SMs x programs per
-SM, from the arch table).
+and `_merge_splits_kernel` combines them (online-softmax merge). The split count fills at most
+one wave of program slots (SMs x programs per SM, from the arch table).
 
 Inner loop: tiles of keys every row of the tile may see run without masks; only the tiles
 holding the diagonal or the ragged end are masked. The softmax scale is folded into the exp2's
@@ -140,7 +137,7 @@ def _softmax_update(
     ]
 )
 def _verify_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_q_lens_ptr, seq_lens_ptr, block_tables_ptr,
     num_seqs, num_rows, num_splits, scale_log2,
     stride_q_row, stride_q_head,
@@ -154,7 +151,7 @@ def _verify_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, SEQS_PAD: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    PIPELINE_QK: tl.constexpr, FUSED_MERGE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    PIPELINE_QK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -300,58 +297,6 @@ def _verify_attention_kernel(
                 tl.store(p_ptrs, result, st_mask)
                 l_ptrs = part_lse_ptr + split64 * stride_l_split + q_row * stride_l_row + m_head
                 tl.store(l_ptrs, lse, m_ok)
-                if FUSED_MERGE:
-                    # Every split of this (tile, KV head) counts its arrival once its partials
-                    # are stored (the barrier puts every thread's stores before the release);
-                    # the last to arrive (acquire) merges them and resets the counter for the
-                    # next launch or replay.
-                    tl.debug_barrier()
-                    counter = arrivals_ptr + tile_id * tl.num_programs(1) + kv_head
-                    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                    if arrived == num_splits - 1:
-                        _merge_tile(
-                            num_splits, part_out_ptr, part_lse_ptr, out_ptr, q_row, m_head,
-                            m_ok, offs_d, d_mask,
-                            stride_p_split, stride_p_row, stride_p_head,
-                            stride_l_split, stride_l_row, stride_o_row, stride_o_head,
-                        )
-                        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_tile(
-    num_splits, part_out_ptr, part_lse_ptr, out_ptr, q_row, m_head, m_ok, offs_d, d_mask,
-    stride_p_split, stride_p_row, stride_p_head,
-    stride_l_split, stride_l_row, stride_o_row, stride_o_head,
-):
-    """Merge of one tile's split partials into out, by the last split to finish. The partials
-    were stored by other programs, so they are read at L2 (.cg), and in split order whichever
-    split merges: the result does not depend on the order the splits finished in. Every partial
-    is normalised: out = sum_s 2^(lse_s - m) partial_s / sum_s 2^(lse_s - m), m the largest
-    log2-sum-exp (empty splits carry -inf and weigh 0)."""
-    l_ptrs = part_lse_ptr + q_row * stride_l_row + m_head  # [BLOCK_M]
-    p_ptrs = part_out_ptr + q_row[:, None] * stride_p_row + m_head[:, None] * stride_p_head
-    p_ptrs += offs_d[None, :]  # [BLOCK_M, D_PAD]
-    mask = m_ok[:, None] & d_mask[None, :]
-    lse_max = tl.full(m_head.shape, float("-inf"), dtype=tl.float32)
-    for s in range(num_splits):
-        lse_s = tl.load(l_ptrs + tl.cast(s, tl.int64) * stride_l_split, mask=m_ok,
-                        other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-        lse_max = tl.maximum(lse_max, lse_s)
-    shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.zeros(m_head.shape, dtype=tl.float32)
-    acc = tl.zeros(p_ptrs.shape, dtype=tl.float32)
-    for s in range(num_splits):
-        s64 = tl.cast(s, tl.int64)
-        lse_s = tl.load(l_ptrs + s64 * stride_l_split, mask=m_ok, other=float("-inf"),
-                        cache_modifier=".cg")  # fmt: skip
-        weight = tl.exp2(lse_s - shift)  # [BLOCK_M]
-        part = tl.load(p_ptrs + s64 * stride_p_split, mask=mask, other=0.0, cache_modifier=".cg")
-        acc += part * weight[:, None]
-        total += weight
-    merged = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    o_ptrs = out_ptr + q_row[:, None] * stride_o_row + m_head[:, None] * stride_o_head
-    tl.store(o_ptrs + offs_d[None, :], merged.to(out_ptr.dtype.element_ty), mask)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_p_split", "stride_l_split"])
@@ -481,7 +426,6 @@ class AttentionLaunch:
     lazy_rescale: bool
     pipeline_qk: bool
     max_regs: int  # 0: the compiler's choice
-    fused_merge: bool = False  # split launches: the last split of a tile merges (no merge kernel)
 
 
 def fallback_fill_pct(
@@ -586,7 +530,6 @@ def plan_launch(
         lazy_rescale=bool(tiles.lazy_rescale),
         pipeline_qk=bool(tiles.pipeline_qk),
         max_regs=tiles.max_regs_large if large else tiles.max_regs,
-        fused_merge=bool(tiles.fused_merge),
     )
 
 
@@ -672,26 +615,6 @@ def verify_attention(
     return _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch)
 
 
-# Arrival counters of fused-merge split launches, per device: zero between launches (the merging
-# program resets its own), one per (tile, KV head). A larger buffer is added only outside graph
-# capture, and none is ever freed: graphs captured earlier keep replaying on theirs.
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_ARRIVALS = 1 << 16
-
-
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor | None:
-    """[>= count] int32 zeros that fused-merge launches on `device` share (launches on one
-    device run one after another in stream order, and each leaves its counters at zero); None
-    while a graph is being captured and no buffer is large enough (a zero-fill inside the
-    capture would run only on replay), so that launch merges with the merge kernel."""
-    bufs = _ARRIVALS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        bufs.append(torch.zeros(max(count, _MIN_ARRIVALS), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch):
     """Launches verify attention (and the merge of its splits) with a planned tiling."""
     num_rows, num_q_heads, head_dim = q.shape
@@ -709,16 +632,12 @@ def _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, lau
         part_out = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
         part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
 
-    arrivals = None
-    if splits > 1 and launch.fused_merge:
-        arrivals = arrival_counters(q.device, launch.num_tiles * num_kv_heads)
-    fused = arrivals is not None
     group = num_q_heads // num_kv_heads
     d_pad = _next_pow2(head_dim)
     tiles = arch_config(q.device).attention
     grid = (launch.num_tiles, num_kv_heads, splits)
     _verify_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_out, part_lse, arrivals if fused else part_lse,
+        q, k_cache, v_cache, out, part_out, part_lse,
         cu_q_lens, seq_lens, block_tables,
         num_seqs, num_rows, splits, scale * math.log2(math.e),
         q.stride(0), q.stride(1),
@@ -733,12 +652,12 @@ def _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, lau
         EVEN_D=head_dim == d_pad, PAGE_SIZE=page_size, SPLIT=splits > 1,
         SEQS_PAD=seqs_pad(num_seqs),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        LAZY_RESCALE=launch.lazy_rescale, PIPELINE_QK=launch.pipeline_qk, FUSED_MERGE=fused,
+        LAZY_RESCALE=launch.lazy_rescale, PIPELINE_QK=launch.pipeline_qk,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
         **launch_options(q.device, tiles.waves_per_eu, launch.max_regs),
         **pdl_options(q.device),
     )
-    if splits > 1 and not fused:
+    if splits > 1:
         merge_splits(part_out, part_lse, out, cu_q_lens, num_seqs)
     return out
 
@@ -757,7 +676,6 @@ def variant_key(launch: AttentionLaunch, num_seqs: int) -> tuple:
         launch.max_regs,
         launch.lazy_rescale,
         launch.pipeline_qk,
-        launch.num_splits > 1 and launch.fused_merge,
         seqs_pad(num_seqs),
     )
 

@@ -1,7 +1,7 @@
 """Benchmark of the verify-pass kernels on one GPU; writes a JSON record and prints a table.
 
     python -m kernels.bench --out DIR [--tune] [--quick] [--tiles block_n=64,num_stages=2]
-    python -m kernels.bench --out DIR --sweep [--variants rules|schedule|m32|merge] [--shapes ...]
+    python -m kernels.bench --out DIR --sweep [--variants rules|schedule|m32] [--shapes ...]
     python -m kernels.bench --out DIR --small-only             # norms, RoPE, top-k, accept
     python -m kernels.bench --render docs/perf/kernels.json   # Markdown tables of a record
 
@@ -24,8 +24,7 @@ candidate launch the rules choose between (RULE_VARIANTS: 128- against 64- and 3
 2 against 3 stages, short contexts' short splits against 512-token ones) and the launch the
 committed entry picks, each checked against SDPA, and writes sweep.json and sweep.md;
 `--variants schedule` swaps in the 128-vector tile's schedule switches (SCHEDULE_VARIANTS) and
-`--variants m32` the split rule's count of 32-vector programs per SM (M32_VARIANTS), and
-`--variants merge` the in-kernel merge of split partials against the merge kernel. Every
+`--variants m32` the split rule's count of 32-vector programs per SM (M32_VARIANTS). Every
 kernel variant is compiled first in parallel worker processes (`kernels.bench_compile`), so the
 GPU machine's time goes to timing rather than to one-at-a-time compilation.
 """
@@ -177,22 +176,10 @@ M32_SHAPES = (
     (1, 8192, 8, 4), (4, 8192, 8, 4), (8, 1024, 8, 4), (16, 1024, 8, 4), (16, 8192, 8, 4),
     (32, 1024, 8, 4), (16, 32768, 8, 4), (64, 8192, 8, 4), (4, 2048, 4, 8), (16, 2048, 4, 8),
 )
-# `--sweep --variants merge`: split launches whose last split merges the tile's partials (the
-# entry's fused_merge) against the separate merge kernel, on the shapes that split.
-MERGE_VARIANTS: tuple[tuple[str, dict], ...] = (
-    ("fused merge", {"fused_merge": 1}),
-    ("merge kernel", {"fused_merge": 0}),
-)
-MERGE_SHAPES = (
-    (16, 8192, 16, 8), (16, 8192, 8, 8), (16, 8192, 16, 4), (16, 8192, 1, 8),
-    (16, 32768, 16, 8), (16, 1024, 8, 4), (1, 1024, 1, 8), (1, 1024, 16, 8),
-    (1, 8192, 1, 8), (1, 8192, 16, 8), (1, 32768, 1, 8), (1, 32768, 16, 8),
-)
 SWEEP_SETS = {
     "rules": (RULE_VARIANTS, RULE_SHAPES),
     "schedule": (SCHEDULE_VARIANTS, SCHEDULE_SHAPES),
     "m32": (M32_VARIANTS, M32_SHAPES),
-    "merge": (MERGE_VARIANTS, MERGE_SHAPES),
 }
 PICKED = "picked"  # the label of the committed entry's own launch
 BAD_REL_ERR = 1e-2  # bf16 against SDPA: the full grid measured 7.4e-4 to 3.0e-3
@@ -304,7 +291,7 @@ def bench_attention_shape(
     )
     rec["launch"] = dataclasses.asdict(launch)
     rec["ours_ms"] = time_ms(ours, rep_ms)
-    if launch.num_splits > 1 and not launch.fused_merge and with_per_row:
+    if launch.num_splits > 1 and with_per_row:
         # The merge kernel alone, on partials of the shape the split launch writes.
         part_out = torch.randn(launch.num_splits, *q.shape, device=q.device)
         part_lse = torch.randn(launch.num_splits, *q.shape[:2], device=q.device)

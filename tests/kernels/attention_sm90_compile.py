@@ -31,7 +31,7 @@ from tests.kernels.sm90 import compile_sm90
 _NUM_SMS = 132  # H100 SXM / H200
 _REGS_PER_SM = 65536
 _SHARED_PER_SM = 228 * 1024  # of which each resident block reserves 1 KB
-_INT_PTRS = ("cu_q_lens_ptr", "seq_lens_ptr", "block_tables_ptr", "arrivals_ptr")
+_INT_PTRS = ("cu_q_lens_ptr", "seq_lens_ptr", "block_tables_ptr")
 
 # (batch, ctx, rows, GQA) of the benchmark: tiles of 16, 32, 64 and 128 query vectors without
 # a split, the split launches of batch 1 at long context, a split launch of 128-vector tiles
@@ -97,7 +97,6 @@ def main() -> int:
             PAGE_SIZE=16, SPLIT=launch.num_splits > 1, SEQS_PAD=seqs_pad(batch),
             EVEN_D=True, DOT_PRECISION="tf32", LAZY_RESCALE=launch.lazy_rescale,
             PIPELINE_QK=launch.pipeline_qk,
-            FUSED_MERGE=launch.num_splits > 1 and launch.fused_merge,
         )  # fmt: skip
         options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
         if launch.max_regs:

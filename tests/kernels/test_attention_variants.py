@@ -31,8 +31,6 @@ VARIANTS = {
     "lazy+pipelined": {"lazy_rescale": 1, "pipeline_qk": 1},
     "large tiles": {"max_block_m": 128, "block_n_large": 16, "lazy_rescale": 1},
     "small block_n": {"block_n": 16, "lazy_rescale": 1, "pipeline_qk": 1},
-    "fused merge": {"fused_merge": 1},
-    "fused merge, large tiles": {"fused_merge": 1, "max_block_m": 128, "block_n_large": 16},
 }
 
 
@@ -203,29 +201,3 @@ def test_every_swept_variant_bf16(tiles, changes):
         verify_attention(*batch, 0.088, out, num_splits=num_splits, max_q_len=16)
         assert not out.isnan().any()
         assert rel_err(out, ref) < 1e-2
-
-
-@pytest.mark.parametrize("num_splits", [2, 3, 7])
-def test_fused_merge_leaves_its_counters_at_zero(tiles, num_splits):
-    # The last split of each tile merges and resets its arrival counter: a second launch with
-    # another split count (graph replays reuse the counters) is exact too, and the shared
-    # buffer is all zeros after each. Splits outnumber the KV tiles of the short sequences,
-    # so empty splits (log-sum-exp -inf) arrive as well.
-    from kernels.attention import arrival_counters
-
-    tiles(fused_merge=1, block_n=16)
-    batch = ragged_batch(
-        [4, 1, 3, 0],
-        [90, 10, 40, 0],
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        page_size=8,
-        dtype=torch.float32,
-        device=DEV,
-        pad_rows=2,
-    )
-    for splits in (num_splits, num_splits + 1):
-        check_attention(batch, pad_rows=2, num_splits=splits, max_q_len=4)
-        counters = arrival_counters(torch.device(DEV), 1)
-        assert int(torch.count_nonzero(counters)) == 0

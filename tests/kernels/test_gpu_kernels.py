@@ -93,42 +93,6 @@ def test_verify_attention_graph_capture():
     assert rel_err(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("fused_merge", [1, 0])
-def test_split_merge_replays_exactly(tiles, fused_merge):
-    # A captured split launch replayed many times: with the in-kernel merge the last split of
-    # each tile merges, whichever it is, and reads the others' partials at L2. A missing
-    # release/acquire or counter reset shows as a replay that differs from the first one (the
-    # merge sums in split order, so replays are bitwise equal) or as counters left non-zero.
-    from kernels.attention import arrival_counters
-
-    tiles(fused_merge=fused_merge)
-    batch = ragged_batch(
-        [16] * 16 + [1, 8],
-        [8000] * 16 + [30000, 500],
-        num_q_heads=64,
-        num_kv_heads=8,
-        head_dim=128,
-        page_size=16,
-        dtype=BF16,
-        device=DEV,
-        seed=3,
-    )
-    out = torch.empty_like(batch[0])
-    verify_attention(*batch, 0.088, out, num_splits=5, max_q_len=16)  # compile first
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        verify_attention(*batch, 0.088, out, num_splits=5, max_q_len=16)
-    graph.replay()
-    first = out.clone()
-    ref = verify_attention_ref(*[t.float() if t.is_floating_point() else t for t in batch], 0.088)
-    assert rel_err(first, ref) < 1e-2
-    for _ in range(200):
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, first)
-    assert int(torch.count_nonzero(arrival_counters(torch.device(DEV), 1))) == 0
-
-
 @pytest.mark.parametrize("rot_dim", [128, 64])
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_rope_and_write_kv_bf16(rot_dim, is_neox):

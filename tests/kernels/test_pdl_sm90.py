@@ -147,7 +147,7 @@ def variants():
            _arg_type(float_ptrs=("cos_sin_ptr",)), {"num_warps": 8}, set())  # fmt: skip
     attn_types = _arg_type(
         float_ptrs=("part_out_ptr", "part_lse_ptr"),
-        int_ptrs=("cu_q_lens_ptr", "seq_lens_ptr", "block_tables_ptr", "arrivals_ptr"),
+        int_ptrs=("cu_q_lens_ptr", "seq_lens_ptr", "block_tables_ptr"),
     )
     hopper = arch.FAMILY_CONFIGS["hopper"]
     arch._config_for = lambda device_type, index: (hopper, 132)  # plan as on an H200
@@ -162,7 +162,6 @@ def variants():
             BLOCK_N=launch.block_n, HEAD_DIM=128, D_PAD=128, PAGE_SIZE=16,
             SPLIT=launch.num_splits > 1, SEQS_PAD=seqs_pad(batch), EVEN_D=True,
             DOT_PRECISION="tf32", LAZY_RESCALE=False, PIPELINE_QK=False,
-            FUSED_MERGE=launch.num_splits > 1 and launch.fused_merge,
         )  # fmt: skip
         options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
         if launch.max_regs:

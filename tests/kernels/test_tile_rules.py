@@ -406,20 +406,4 @@ def test_schedule_sweep_variants_all_match_the_reference(h200, monkeypatch):
     assert labels == [label for label, _ in bench.SCHEDULE_VARIANTS] + [bench.PICKED]
     assert bench.rule_sweep_failures([rec]) == []
     assert {c["launch"]["block_m"] for c in rec["candidates"][:-1]} == {128}
-    assert set(bench.SWEEP_SETS) == {"rules", "schedule", "m32", "merge"}
-
-
-def test_merge_sweep_times_both_merges_of_a_split_launch(h200, monkeypatch):
-    """`--sweep --variants merge`: the in-kernel merge and the merge kernel are two launches of
-    one tiling, both exact; the committed entry (an H200's) runs the merge kernel, measured
-    faster at most split shapes (docs/perf/kernels.md)."""
-    monkeypatch.setattr(bench, "time_ms", lambda fn, rep_ms=bench.REP_MS: (fn(), 0.01)[1])
-    pool = bench.KvPool(h200, 512, dtype=torch.float32)
-    # 384 tokens of context: 3 splits of 128 (the short-context split length)
-    rec = bench.sweep_rule_shape(pool, (1, 384, 2, 8), 1.0, bench.MERGE_VARIANTS)
-    fused, kernel, picked = rec["candidates"]
-    assert fused["launch"]["num_splits"] == kernel["launch"]["num_splits"] == 3
-    assert (fused["launch"]["fused_merge"], kernel["launch"]["fused_merge"]) == (True, False)
-    assert fused["same_as"] is None and kernel["same_as"] is None
-    assert picked["same_as"] == "merge kernel"
-    assert bench.rule_sweep_failures([rec]) == []
+    assert set(bench.SWEEP_SETS) == {"rules", "schedule", "m32"}
