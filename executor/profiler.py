@@ -754,18 +754,17 @@ class SwitchingPolicy:
     name = "switching"
 
     def __init__(self, spec_rounds: int, ar_rounds: int):
+        from scheduler.policy import AllARPolicy, AllSpecPolicy
+
         self.period = spec_rounds + ar_rounds
         self.spec_rounds = spec_rounds
         self.num_decided = 0
+        self._spec, self._ar = AllSpecPolicy(), AllARPolicy()
 
     def decide(self, view, estimator, cost_model):
-        from scheduler.policy import AllSpecPolicy, Decision
-
         spec = self.num_decided % self.period < self.spec_rounds
         self.num_decided += 1
-        if spec:
-            return AllSpecPolicy().decide(view, estimator, cost_model)
-        return Decision(np.zeros(len(view.req_ids), dtype=np.int64), "switching: AR")
+        return (self._spec if spec else self._ar).decide(view, estimator, cost_model)
 
 
 def time_ar_restart(
