@@ -92,6 +92,9 @@ class BenchConfig(RefillBench):
     seed: int = 0
     acceptance: str = str(PROFILES / "acceptance.json")
     keep_rounds: bool = False  # every step's record in the JSON (tests check the arithmetic)
+    # every run's scheduler starts at the configured acceptance prior; by default the runs of a
+    # (repeat, policy, drafter, cohort) carry what the estimator learned from each C to the next
+    cold_estimator: bool = False
     # the draft model computes prefill chunks' KV in their rounds (EngineConfig's option)
     drafter_follows_prefill: str = "off"  # off | on | auto
     workers: int = 0  # simulator processes; 0: one per CPU (at most 16)
@@ -193,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="folder for gpu.md, gpu.json and the plots")
     ap.add_argument("--keep-rounds", action="store_true", help="every step's record in the JSON")
     ap.add_argument(
+        "--cold-estimator",
+        action="store_true",
+        help="every run's scheduler starts at the configured acceptance prior (default: the runs "
+        "of a repeat, policy, drafter and cohort carry what the estimator learned from each "
+        "concurrency to the next, as a server whose load rises on that traffic)",
+    )
+    ap.add_argument(
         "--drafter-follows-prefill",
         choices=("off", "on", "auto"),
         default=None,
@@ -217,6 +227,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             changes[name] = parse(value)
     if args.keep_rounds:
         changes["keep_rounds"] = True
+    if args.cold_estimator:
+        changes["cold_estimator"] = True
     if args.drafter_follows_prefill is not None:
         changes["drafter_follows_prefill"] = args.drafter_follows_prefill
     cfg = dataclasses.replace(cfg, **changes)

@@ -176,8 +176,9 @@ def sim_task(
     )
 
 
-def _sim_task(task: tuple) -> dict:
-    """One simulator run (module-level: runs in worker processes; imports no torch)."""
+def _sim_task(task: tuple, known=None) -> dict:
+    """One simulator run (module-level: runs in worker processes; imports no torch), its
+    scheduler starting from `known` (an earlier run's "acceptance") when given."""
     from scheduler.cost_model import ProfileCost
     from scheduler.sim.acceptance_model import load_cohorts
     from scheduler.sim.runner import SimSetup, Workload, run_sim
@@ -199,6 +200,7 @@ def _sim_task(task: tuple) -> dict:
             trace_seed=run_seed,
             trace_keys=trace_keys,
             drafter_follows_prefill=follows_prefill,
+            acceptance=known,
         ),
         Workload(**workload),
     )
@@ -209,7 +211,19 @@ def _sim_task(task: tuple) -> dict:
         "route_mix": result.route_mix,
         "pred_error": result.mean_abs_pred_error,
         "mean_accepted_len": result.mean_accepted_len,
+        "acceptance": result.acceptance,
     }
+
+
+def _sim_chain(chain: tuple) -> list[dict]:
+    """`_sim_task` over the tasks of `chain` = (tasks, carry) in order; with carry, each run
+    starts from what the one before learned of the drafter, as the engine's runs do."""
+    tasks, carry = chain
+    out, known = [], None
+    for task in tasks:
+        out.append(_sim_task(task, known))
+        known = out[-1]["acceptance"] if carry else None
+    return out
 
 
 def simulate(cfg: BenchConfig, paths: dict, vocab: int) -> dict[tuple, dict]:
@@ -220,30 +234,32 @@ def simulate(cfg: BenchConfig, paths: dict, vocab: int) -> dict[tuple, dict]:
     from scheduler.sim.acceptance_model import trace_key
 
     keys_at = {c: tuple(trace_key(p) for p in make_prompts(cfg, c, vocab)) for c in cfg.concurrency}
-    keys = [(AR, ANY, ANY, c) for c in cfg.concurrency if AR in cfg.sim_policies]
-    keys += [
-        (p, d, co, c)
-        for d, co in cfg.points()
-        for c in cfg.concurrency
-        for p in cfg.sim_policies
-        if p != AR
-    ]
-    tasks = [
-        sim_task(
-            cfg,
-            paths[drafter],
-            cohort if cohort != ANY else cfg.points()[0][1],
-            policy,
-            c,
-            cfg.seed + s,
-            keys_at[c],
+    lines = [(AR, ANY, ANY)] if AR in cfg.sim_policies else []
+    lines += [(p, d, co) for d, co in cfg.points() for p in cfg.sim_policies if p != AR]
+    # one chain per (policy, drafter, cohort, seed) over the concurrencies in grid order, as
+    # the engine's runs carry the estimator's knowledge (`run_grid`)
+    chains = [
+        (
+            tuple(
+                sim_task(
+                    cfg,
+                    paths[drafter],
+                    cohort if cohort != ANY else cfg.points()[0][1],
+                    policy,
+                    c,
+                    cfg.seed + s,
+                    keys_at[c],
+                )
+                for c in cfg.concurrency
+            ),
+            not cfg.cold_estimator,
         )
-        for policy, drafter, cohort, c in keys
+        for policy, drafter, cohort in lines
         for s in range(cfg.sim_seeds)
     ]
     workers = cfg.workers or min(os.cpu_count() or 1, 16)
     if workers == 1:
-        results = [_sim_task(t) for t in tasks]
+        chained = [_sim_chain(t) for t in chains]
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -251,7 +267,15 @@ def simulate(cfg: BenchConfig, paths: dict, vocab: int) -> dict[tuple, dict]:
         # spawn: the parent holds a CUDA context and torch threads, which fork must not copy
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            results = list(pool.map(_sim_task, tasks, chunksize=4))
+            chained = list(pool.map(_sim_chain, chains))
+    # results[i]: the sim_seeds runs of keys[i] = (policy, drafter, cohort, C)
+    keys = [(*line, c) for line in lines for c in cfg.concurrency]
+    results = [
+        chained[li * cfg.sim_seeds + s][ci]
+        for li in range(len(lines))
+        for ci in range(len(cfg.concurrency))
+        for s in range(cfg.sim_seeds)
+    ]
     out = {}
     for i, key in enumerate(keys):
         seeds = results[i * cfg.sim_seeds : (i + 1) * cfg.sim_seeds]

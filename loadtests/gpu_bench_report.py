@@ -475,6 +475,22 @@ def pooled_lines(record: dict) -> list[str]:
     ]
 
 
+def _estimator_line(cfg: dict) -> str:
+    """How the runs' schedulers started their acceptance estimates (records made before the
+    option existed started every run cold)."""
+    if cfg.get("cold_estimator", True):
+        return (
+            "Every run's scheduler started at the configured acceptance prior (cold): each "
+            "point includes the probing a fresh server does before it knows its drafter."
+        )
+    return (
+        "Each run's scheduler adopted what the previous run of its repeat, policy, drafter and "
+        "cohort had learned of the drafter (acceptance prior, evidence, per-position "
+        "calibration), as a server whose load rises on that traffic keeps it; the lowest C of "
+        "each starts at the configured prior. The simulator's runs do the same."
+    )
+
+
 def markdown(record: dict) -> str:
     cfg = record["config"]
     ceil = record["profile"].get("ceilings") or {}
@@ -492,6 +508,8 @@ def markdown(record: dict) -> str:
         f"{cfg['max_tokens']} output tokens (ignore_eos, greedy), spec depth "
         f"{cfg['spec_depth']}, prefill budget {cfg['max_prefill_tokens']} tokens per round; "
         f"{cfg['repeats']} repeats planned (figures: mean (min-max)).",
+        "",
+        _estimator_line(cfg),
         "",
         "Full-live tokens/s: tokens of the steps whose round ran all C requests decoding, over "
         "those steps' wall time (plan + executor + update). Finite refill tokens/s: all tokens "

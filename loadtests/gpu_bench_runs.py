@@ -235,10 +235,19 @@ def make_policy(name: str, profile_path: str, cfg: BenchConfig, cohort: str):
     raise ValueError(f"policy {name!r} cannot run on the engine (simulator only)")
 
 
-def install(engine, cfg: BenchConfig, concurrency: int, policy: str, profile_path: str, drafter):
+def install(
+    engine,
+    cfg: BenchConfig,
+    concurrency: int,
+    policy: str,
+    profile_path: str,
+    drafter,
+    acceptance=None,
+):
     """Swaps a fresh scheduler (policy, slot capacity, a new cost model from the profile) and
     a synthetic drafter into the engine in place, so that models, KV cache and captured graphs
-    are reused across runs. Called between runs only, when the engine is idle."""
+    are reused across runs. Called between runs only, when the engine is idle. `acceptance`:
+    what an earlier run's scheduler learned of the drafter, adopted by the new one."""
     from scheduler.cost_model import CostModel
     from scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -265,6 +274,8 @@ def install(engine, cfg: BenchConfig, concurrency: int, policy: str, profile_pat
         cost_model=CostModel.from_file(profile_path),
         policy=make_policy(policy, profile_path, cfg, drafter.cohort),
     )
+    if acceptance is not None:
+        engine.scheduler.adopt_acceptance(acceptance)
     engine._num_switches = 0
     engine.drafter = engine.executor.drafter = drafter
     engine.executor.drafter_follows_prefill = follows != "off"
@@ -313,10 +324,20 @@ def _model_drafter_graphs(model_inner) -> int:
 
 
 def run_point(
-    engine, cfg, policy, drafter, cohort, concurrency, paths, model_inner, compiles=None
+    engine,
+    cfg,
+    policy,
+    drafter,
+    cohort,
+    concurrency,
+    paths,
+    model_inner,
+    compiles=None,
+    acceptance=None,
 ) -> dict:
     """One run. `compiles` (a `loadtests.compile_log.CompileLog`, installed): the Triton
-    compilations made during the run are recorded with it."""
+    compilations made during the run are recorded with it. `acceptance`: what the scheduler
+    starts from (`install`); the summary's `acceptance_carried` says whether it had any."""
     from executor.drafters.synthetic import SyntheticDrafter
     from hipfire_serve.types import SamplingParams
 
@@ -326,7 +347,7 @@ def run_point(
         cfg.seed,
         inner=cost_inner(drafter, model_inner) if drafter != ANY else None,
     )
-    install(engine, cfg, concurrency, policy, paths[drafter], synth)
+    install(engine, cfg, concurrency, policy, paths[drafter], synth, acceptance)
     graphs = engine.executor.graphs
     num_graphs = len(graphs.graphs) if graphs is not None else 0
     num_draft_graphs = _model_drafter_graphs(model_inner)
@@ -344,6 +365,7 @@ def run_point(
         cohort=cohort,
         concurrency=concurrency,
         num_requests=len(prompts),
+        acceptance_carried=acceptance is not None,
         graphs_captured=(len(graphs.graphs) if graphs is not None else 0) - num_graphs,
         draft_graphs_captured=_model_drafter_graphs(model_inner) - num_draft_graphs,
         # Triton compilations during the run (a first use costs seconds inside a round)
@@ -425,8 +447,11 @@ def run_grid(
     engine, cfg, paths, model_inner, deadline: float, log, compiles=None
 ) -> tuple[list, list]:
     """Runs the grid in order; a run that would pass the deadline is skipped, one that raises
-    is recorded and the engine recovered, so one bad point does not lose the others."""
+    is recorded and the engine recovered, so one bad point does not lose the others. Unless
+    `cfg.cold_estimator`, a run starts from what the last finished run of its (repeat, policy,
+    drafter, cohort) learned of the drafter: in grid order, the concurrency before it."""
     runs, skipped = [], []
+    learned: dict[tuple, object] = {}  # (repeat, policy, drafter, cohort) -> knowledge
     durations: dict[tuple[str, int], float] = {}
     broken = False
     for rep, policy, drafter, cohort, c in grid_order(cfg):
@@ -438,7 +463,11 @@ def run_grid(
             continue
         t0 = time.perf_counter()
         try:
-            run = run_point(engine, cfg, policy, drafter, cohort, c, paths, model_inner, compiles)
+            known = None if cfg.cold_estimator else learned.get(key[:4])
+            run = run_point(
+                engine, cfg, policy, drafter, cohort, c, paths, model_inner, compiles, known
+            )
+            learned[key[:4]] = engine.scheduler.acceptance_knowledge()
         except Exception as e:
             log(f"  rep {rep} {policy} {drafter} {cohort} C={c} failed: {e!r}")
             skipped.append({**point, "reason": f"failed: {e!r}"[:300]})

@@ -32,6 +32,8 @@ effect instead of a depth effect of the drafter.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 # Acceptance levels of the grid: dense where decisions change (0.5 .. 0.95).
@@ -77,6 +79,22 @@ RECENT_DECAY = 0.9995
 PROBE_OBSERVATIONS = 6.0
 
 
+@dataclass(frozen=True)
+class AcceptanceKnowledge:
+    """What an estimator learned about its drafter on the traffic it saw, apart from the
+    requests themselves: the global prior over LEVELS, the evidence it rests on, and the
+    calibration sums per draft position. A scheduler rebuilt for the same drafter and traffic
+    (a benchmark's next run, a server whose load changed) adopts it and starts where the last
+    one left off instead of at the configured prior, which it would otherwise have to probe
+    its way out of again (`AcceptanceEstimator.adopt`). Torch-free, picklable."""
+
+    prior: tuple[float, ...]  # [L]
+    num_prior_obs: float
+    num_recent_observations: float
+    calib_pred: tuple[float, ...]  # [D]
+    calib_real: tuple[float, ...]  # [D]
+
+
 class AcceptanceEstimator:
     def __init__(self, num_slots: int, max_drafts: int, prior_acceptance: float = 0.7):
         self.max_drafts = max(max_drafts, 1)
@@ -96,6 +114,44 @@ class AcceptanceEstimator:
         # scheduler both ask for the same slots in one plan.
         self._version = 0
         self._last: tuple[np.ndarray, int, np.ndarray] | None = None
+
+    def knowledge(self) -> AcceptanceKnowledge:
+        """The global part of what this estimator learned (see AcceptanceKnowledge)."""
+        return AcceptanceKnowledge(
+            prior=tuple(float(v) for v in self.prior),
+            num_prior_obs=float(self._num_prior_obs),
+            num_recent_observations=float(self.num_recent_observations),
+            calib_pred=tuple(float(v) for v in self._calib_pred),
+            calib_real=tuple(float(v) for v in self._calib_real),
+        )
+
+    def adopt(self, known: AcceptanceKnowledge) -> None:
+        """Starts from `known` instead of the configured prior: every slot's belief is reset to
+        its prior, so call it before any request is admitted. Calibration sums of positions
+        past this estimator's depth are dropped; positions `known` lacks keep their
+        pseudo-observations. Raises ValueError on a prior of another grid or invalid numbers."""
+        prior = np.asarray(known.prior, dtype=np.float64)
+        pred = np.asarray(known.calib_pred, dtype=np.float64)
+        real = np.asarray(known.calib_real, dtype=np.float64)
+        if prior.shape != LEVELS.shape:
+            raise ValueError(f"prior over {prior.size} levels, this estimator has {LEVELS.size}")
+        if len(pred) != len(real) or not (pred > 0).all():
+            raise ValueError("calibration sums of different lengths or a zero prediction")
+        values = np.concatenate(([known.num_prior_obs, known.num_recent_observations], pred, real))
+        if not (np.isfinite(values).all() and (values >= 0).all()):
+            raise ValueError("acceptance knowledge holds negative or non-finite numbers")
+        if not (np.isfinite(prior).all() and (prior >= 0).all() and prior.sum() > 0):
+            raise ValueError("the prior must be non-negative with a positive sum")
+        self.prior = prior if abs(prior.sum() - 1.0) < 1e-12 else prior / prior.sum()
+        self.belief[:] = self.prior
+        self._num_prior_obs = max(float(known.num_prior_obs), 1.0)
+        self.num_recent_observations = float(known.num_recent_observations)
+        d = min(len(pred), self.max_drafts)
+        self._calib_pred[:d] = pred[:d]
+        self._calib_real[:d] = real[:d]
+        self._survival_matrix = None
+        self._calibrated = None
+        self._version += 1
 
     def needs_probe(self) -> bool:
         """The prior rests on too little recent evidence (see PROBE_OBSERVATIONS)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 import numpy as np
 
-from scheduler.acceptance import PROBE_CALIB_WEIGHT, AcceptanceEstimator
+from scheduler.acceptance import PROBE_CALIB_WEIGHT, AcceptanceEstimator, AcceptanceKnowledge
 from scheduler.cost_model import CostModel, ProfileCost
 from scheduler.kv_blocks import BlockPool, num_blocks_for
 from scheduler.plan import DecodeRows, Mode, ReqPlan, RoundPlan, RoundResult, SeqSetup
@@ -361,6 +361,19 @@ class Scheduler:
             return
         self._end_decoding(req)
         self._to_release.append(req)
+
+    def acceptance_knowledge(self) -> AcceptanceKnowledge:
+        """What the estimator learned of the drafter on this traffic (prior, evidence,
+        calibration), for a scheduler that replaces this one (`adopt_acceptance`)."""
+        return self.estimator.knowledge()
+
+    def adopt_acceptance(self, known: AcceptanceKnowledge) -> None:
+        """Starts the estimator from what an earlier scheduler of the same drafter learned
+        instead of the configured prior. Only before the first request: beliefs of live
+        requests are not rewritten (RuntimeError otherwise)."""
+        if self._requests:
+            raise RuntimeError("adopt_acceptance on a scheduler that holds requests")
+        self.estimator.adopt(known)
 
     def has_work(self) -> bool:
         return bool(self._live or self.admission.num_waiting or self._to_release)

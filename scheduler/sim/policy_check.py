@@ -18,6 +18,11 @@ tokens/s instead and marked `*`. Each row also prints the three policies' refill
 whole run, prefills, catch-ups and drain included): full-live leaves out rounds with a prefill
 chunk, where a drafter's catch-up on a whole prompt is often paid.
 
+Each (policy, cohort, seed) runs its concurrencies in rising order, and each run's scheduler
+adopts what the one before learned of the drafter (acceptance prior, evidence, calibration), as
+a server whose load rises on the same traffic keeps it, and as the GPU benchmark's runs do; the
+first C of each starts at the configured prior. `--cold`: every run starts there.
+
     python -m scheduler.sim.policy_check --profile docs/perf/gpu.json --acceptance \
         scheduler/profiles/acceptance.json
 
@@ -54,6 +59,7 @@ class CheckConfig(RefillBench):
 
     seeds: int = 3
     seed: int = 0
+    cold: bool = False  # every run starts from the configured prior (no carried knowledge)
 
 
 def load_profile(path: str | Path, key: str = "profile") -> dict:
@@ -83,27 +89,37 @@ def profile_variant(profile: dict, variant: str) -> dict:
     raise ValueError(f"unknown profile variant {variant!r} (one of {', '.join(VARIANTS)})")
 
 
-def sim_task(task: tuple) -> dict:
-    """One simulator run, set up as the GPU benchmark's simulator task does."""
-    profile, acceptance, cohort, policy, c, cfg, seed = task
-    result = run_sim(
-        ProfileCost(profile),
-        load_cohorts(acceptance)[cohort],
-        SimSetup(
-            policy=policy,
-            concurrency=c,
-            spec_depth=cfg.spec_depth,
-            seed=seed,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            decide_ahead=True,
-        ),
-        cfg.workload(c),
-    )
-    return {
-        "full_live_tok_s": result.full_live_tok_s,
-        "refill_tok_s": result.refill_tok_s,
-        "spec_share_full_live": result.route_mix_full_live.get("S", 0.0),
-    }
+def sim_chain(task: tuple) -> list[dict]:
+    """One seed of one policy over the concurrencies in the order given, set up as the GPU
+    benchmark's simulator task does; with `carry`, each run starts from what the one before
+    learned of the drafter (`SimSetup.acceptance`), as the benchmark's runs do."""
+    profile, acceptance, cohort, policy, concurrency, cfg, seed, carry = task
+    cost, classes = ProfileCost(profile), load_cohorts(acceptance)[cohort]
+    out, known = [], None
+    for c in concurrency:
+        result = run_sim(
+            cost,
+            classes,
+            SimSetup(
+                policy=policy,
+                concurrency=c,
+                spec_depth=cfg.spec_depth,
+                seed=seed,
+                max_prefill_tokens=cfg.max_prefill_tokens,
+                decide_ahead=True,
+                acceptance=known,
+            ),
+            cfg.workload(c),
+        )
+        known = result.acceptance if carry else None
+        out.append(
+            {
+                "full_live_tok_s": result.full_live_tok_s,
+                "refill_tok_s": result.refill_tok_s,
+                "spec_share_full_live": result.route_mix_full_live.get("S", 0.0),
+            }
+        )
+    return out
 
 
 def run_points(
@@ -115,22 +131,27 @@ def run_points(
     workers: int = 0,
 ) -> dict[tuple[str, str, int], dict]:
     """(policy, cohort, C) -> seed-mean full-live tok/s (None if a seed had no full-live
-    round), refill tok/s and adaptive's speculating share of full-live request-rounds."""
-    keys = [(pol, co, c) for co in cohorts for c in concurrency for pol in POLICIES]
+    round), refill tok/s and adaptive's speculating share of full-live request-rounds. Each
+    (policy, cohort, seed) runs its concurrencies in rising order, carrying the estimator's
+    knowledge from run to run unless `cfg.cold`."""
+    concurrency = tuple(sorted(concurrency))
+    chains = [(pol, co, s) for co in cohorts for pol in POLICIES for s in range(cfg.seeds)]
     tasks = [
-        (profile, acceptance, co, pol, c, cfg, cfg.seed + s)
-        for pol, co, c in keys
-        for s in range(cfg.seeds)
+        (profile, acceptance, co, pol, concurrency, cfg, cfg.seed + s, not cfg.cold)
+        for pol, co, s in chains
     ]
     workers = workers or min(os.cpu_count() or 1, 16)
     if workers == 1:
-        results = [sim_task(t) for t in tasks]
+        results = [sim_chain(t) for t in tasks]
     else:
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(sim_task, tasks, chunksize=2))
+            results = list(pool.map(sim_chain, tasks))
+    runs: dict[tuple[str, str, int], list[dict]] = {}
+    for (pol, co, _), chain in zip(chains, results):
+        for c, r in zip(concurrency, chain):
+            runs.setdefault((pol, co, c), []).append(r)
     out = {}
-    for i, key in enumerate(keys):
-        seeds = results[i * cfg.seeds : (i + 1) * cfg.seeds]
+    for key, seeds in runs.items():
         full = [r["full_live_tok_s"] for r in seeds]
         out[key] = {
             "full_live_tok_s": None if None in full else float(np.mean(full)),
@@ -209,13 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="first seed")
     p.add_argument("--workers", type=int, default=0, help="processes; 0: one per CPU")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="every run starts at the configured acceptance prior (default: a (policy, cohort, "
+        "seed) carries what its estimator learned from each C to the next, as the benchmark)",
+    )
     p.add_argument("--floor-only", action="store_true", help="exit status ignores crossovers")
     p.add_argument("--json", help="write every point here")
     args = p.parse_args(argv)
     base = load_profile(args.profile, args.profile_key)
     cohorts = tuple(v for v in args.cohorts.split(",") if v)
     concurrency = tuple(int(v) for v in args.concurrency.split(",") if v)
-    cfg = CheckConfig(seeds=args.seeds, seed=args.seed)
+    cfg = CheckConfig(seeds=args.seeds, seed=args.seed, cold=args.cold)
     record = {}
     missed = 0
     for variant in (v for v in args.variants.split(",") if v):

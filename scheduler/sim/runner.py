@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from scheduler.acceptance import AcceptanceKnowledge
 from scheduler.cost_model import CostModel, ProfileCost
 from scheduler.kv_blocks import num_blocks_for
 from scheduler.plan import SamplingSpec
@@ -85,6 +86,9 @@ class SimSetup:
     trace_keys: tuple[int, ...] = ()
     # the drafter computes prefill chunks alongside the target (no catch-up on the prompt)
     drafter_follows_prefill: str = "off"  # off | on | auto (SchedulerConfig)
+    # what an earlier run's estimator learned of the drafter (its SimResult.acceptance), to
+    # start from instead of the configured prior (Scheduler.adopt_acceptance); None: cold
+    acceptance: AcceptanceKnowledge | None = None
 
 
 @dataclass
@@ -110,6 +114,7 @@ class SimResult:
     tenant_slot_seconds: dict[str, float] = field(default_factory=dict)
     jain_index: float = 1.0
     wall_seconds: float = 0.0
+    acceptance: AcceptanceKnowledge | None = None  # what the estimator knew at the end
 
 
 def make_requests(workload: Workload, seed: int) -> list[tuple[float, RequestSpec]]:
@@ -183,6 +188,8 @@ def run_sim(
         drafter_prefill=drafter_prefill,
     )
     sched = Scheduler(cfg, num_blocks, CostModel(profile), setup.tenants, policy=policy)
+    if setup.acceptance is not None:
+        sched.adopt_acceptance(setup.acceptance)
 
     source = make_requests(
         workload, setup.seed if setup.workload_seed is None else setup.workload_seed
@@ -294,4 +301,5 @@ def run_sim(
         tenant_slot_seconds=slot_seconds,
         jain_index=jain_index(shares),
         wall_seconds=time.perf_counter() - wall_start,
+        acceptance=sched.acceptance_knowledge(),
     )

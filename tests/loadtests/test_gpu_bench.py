@@ -697,13 +697,16 @@ def test_each_finished_run_leaves_the_collectors_generations(monkeypatch):
 
     from loadtests import gpu_bench_runs
 
-    def fake_run(engine, cfg, policy, drafter, cohort, c, paths, model_inner, compiles=None):
+    def fake_run(engine, cfg, policy, drafter, cohort, c, paths, model_inner, compiles, known):
         return {"full_live_tok_s": 1.0, "refill_tok_s": 1.0, "run_s": 0.0, "num_failed": 0,
                 "records": [{"step": i} for i in range(100)]}  # fmt: skip
 
     monkeypatch.setattr(gpu_bench_runs, "run_point", fake_run)
     frozen = []
-    engine = SimpleNamespace(freeze_heap=lambda: frozen.append(gc.freeze()))
+    engine = SimpleNamespace(
+        freeze_heap=lambda: frozen.append(gc.freeze()),
+        scheduler=SimpleNamespace(acceptance_knowledge=lambda: None),
+    )
     try:
         runs, skipped = gpu_bench_runs.run_grid(
             engine, QUICK, {}, None, float("inf"), lambda msg: None
@@ -713,3 +716,55 @@ def test_each_finished_run_leaves_the_collectors_generations(monkeypatch):
         assert not any(id(r["records"][0]) in tracked for r in runs)
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_run_starts_from_what_the_last_run_of_its_line_learned(monkeypatch, cold):
+    """run_grid hands each run the estimator knowledge that the previous finished run of its
+    (repeat, policy, drafter, cohort) left in the engine's scheduler (the next lower C in grid
+    order); the first C of a line, a failed run's successor's source and --cold-estimator get
+    the configured prior. The simulator's chains do the same with its runs."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from loadtests import gpu_bench_measure, gpu_bench_runs
+
+    cfg = dataclasses.replace(QUICK, repeats=2, cold_estimator=cold)
+    engine = SimpleNamespace(freeze_heap=lambda: None, scheduler=None)
+    handed = []
+
+    def fake_run(engine_, cfg_, policy, drafter, cohort, c, paths, model_inner, compiles, known):
+        handed.append(((policy, drafter, cohort), c, known))
+        if (policy, c) == ("all-spec", 2):
+            raise RuntimeError("injected")
+        line = (policy, drafter, cohort, len(handed))
+        engine.scheduler = SimpleNamespace(acceptance_knowledge=lambda: line)
+        return {"full_live_tok_s": 1.0, "refill_tok_s": 1.0, "run_s": 0.0, "num_failed": 0}
+
+    monkeypatch.setattr(gpu_bench_runs, "run_point", fake_run)
+    monkeypatch.setattr(gpu_bench_runs, "recover", lambda engine: True)
+    _runs, skipped = gpu_bench_runs.run_grid(engine, cfg, {}, None, float("inf"), lambda m: None)
+    assert len(handed) == len(grid_order(cfg)) and len(skipped) == 2 * len(cfg.points())
+    last = {}  # (repeat, policy, drafter, cohort) -> the knowledge its last finished run left
+    for i, ((rep, policy, drafter, cohort, c), (_, _, known)) in enumerate(
+        zip(grid_order(cfg), handed)
+    ):
+        line = (rep, policy, drafter, cohort)
+        assert known == (None if cold else last.get(line)), (line, c)
+        if not (policy == "all-spec" and c == 2):
+            last[line] = (policy, drafter, cohort, i + 1)
+    carried = sum(known is not None for *_, known in handed)
+    assert carried == (0 if cold else len(handed) - len(last))  # all but each line's first C
+
+    # the simulator's chains: each task gets the knowledge the previous task of its chain ended
+    # with, unless cold
+    got = []
+
+    def fake_task(task, known=None):
+        got.append((task, known))
+        return {"acceptance": ("after", task)}
+
+    monkeypatch.setattr(gpu_bench_measure, "_sim_task", fake_task)
+    out = gpu_bench_measure._sim_chain((("a", "b", "c"), not cold))
+    assert [a for _, a in got] == ([None] * 3 if cold else [None, ("after", "a"), ("after", "b")])
+    assert out == [{"acceptance": ("after", t)} for t in "abc"]

@@ -84,3 +84,89 @@ def test_a_weighted_observation_counts_that_many_times_in_the_calibration():
     move_one = one.calibration()[:3] - 1.0
     move_heavy = heavy.calibration()[:3] - 1.0
     assert (np.abs(move_heavy) > 3 * np.abs(move_one)).all()
+
+
+def _learned(num_slots: int = 8, rounds: int = 300, p: float = 0.92, seed: int = 0):
+    """An estimator that has seen `rounds` rounds of full-depth chains at acceptance `p`."""
+    rng = np.random.default_rng(seed)
+    est = AcceptanceEstimator(num_slots, 7)
+    slots = np.arange(num_slots)
+    for _ in range(rounds):
+        accepted = np.minimum(rng.geometric(1.0 - p, size=num_slots) - 1, 7)
+        est.observe(slots, np.full(num_slots, 7), accepted)
+        est.decay()
+    return est
+
+
+def test_an_estimator_that_adopts_anothers_knowledge_starts_a_request_where_it_would():
+    """What one estimator learned (prior, evidence, calibration) carried into a fresh one of
+    another slot count: a new request there is predicted exactly as a new request in the
+    first, far above the configured prior, and the evidence needs no probe."""
+    from scheduler.acceptance import AcceptanceKnowledge
+
+    learned = _learned()
+    fresh = AcceptanceEstimator(4, 7)
+    cold = fresh.survival(np.arange(4)).copy()
+    assert fresh.needs_probe()
+    known = learned.knowledge()
+    assert isinstance(known, AcceptanceKnowledge) and len(known.prior) == len(LEVELS)
+    fresh.adopt(known)
+    learned.reset(3)
+    np.testing.assert_allclose(fresh.survival(np.array([1])), learned.survival(np.array([3])))
+    assert (fresh.survival(np.arange(4))[:, -1] > 1.5 * cold[:, -1]).all()
+    assert not fresh.needs_probe()
+    assert fresh.knowledge() == known  # adopting changes nothing the knowledge holds
+
+
+def test_a_shallower_estimator_adopts_the_positions_it_has():
+    learned = _learned()
+    shallow = AcceptanceEstimator(2, 3)
+    shallow.adopt(learned.knowledge())
+    np.testing.assert_allclose(shallow.calibration(), learned.calibration()[:3])
+    deeper = AcceptanceEstimator(2, 9)
+    deeper.adopt(learned.knowledge())
+    np.testing.assert_allclose(deeper.calibration()[:7], learned.calibration())
+    np.testing.assert_allclose(deeper.calibration()[7:], 1.0)  # only pseudo-observations
+
+
+def test_invalid_knowledge_is_refused_and_changes_nothing():
+    import dataclasses
+
+    import pytest
+
+    known = _learned(rounds=20).knowledge()
+    bad = [
+        dataclasses.replace(known, prior=known.prior[:-1]),
+        dataclasses.replace(known, prior=(0.0,) * len(LEVELS)),
+        dataclasses.replace(known, prior=(float("nan"), *known.prior[1:])),
+        dataclasses.replace(known, num_prior_obs=-1.0),
+        dataclasses.replace(known, calib_pred=known.calib_pred[:-1]),
+        dataclasses.replace(known, calib_pred=(0.0, *known.calib_pred[1:])),
+        dataclasses.replace(known, calib_real=(float("inf"), *known.calib_real[1:])),
+    ]
+    est = AcceptanceEstimator(2, 7)
+    before = est.knowledge()
+    for k in bad:
+        with pytest.raises(ValueError):
+            est.adopt(k)
+        assert est.knowledge() == before
+
+
+def test_a_scheduler_adopts_knowledge_only_before_its_first_request():
+    import pytest
+
+    from scheduler.cost_model import CostModel, ProfileCost
+    from scheduler.plan import SamplingSpec
+    from scheduler.request import RequestSpec
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from scheduler.sim.plan_bench import PROFILES
+
+    cost = CostModel(ProfileCost.from_file(PROFILES / "h200-qwen3-8b.json"))
+    known = _learned().knowledge()
+    sched = Scheduler(SchedulerConfig(max_concurrency=2, block_size=4), 100, cost)
+    sched.adopt_acceptance(known)
+    assert sched.acceptance_knowledge() == known
+    spec = RequestSpec(req_id=1, prompt_token_ids=(1, 2, 3), sampling=SamplingSpec(), max_tokens=4)
+    sched.add_request(spec)
+    with pytest.raises(RuntimeError):
+        sched.adopt_acceptance(known)

@@ -389,3 +389,33 @@ def test_a_speculating_batch_leaves_only_below_its_ar_rate():
         hard.observe(np.arange(4), np.ones(4, dtype=np.int64), np.zeros(4, dtype=np.int64))
     leaving = decode_view(4, was_spec=True, rate_bar=unreachable)
     assert not AdaptivePolicy().decide(leaving, hard, MODEL).num_draft.any()
+
+
+def test_each_run_of_a_chain_starts_from_what_the_one_before_learned(monkeypatch):
+    """run_points runs a (policy, cohort, seed)'s concurrencies in rising order and hands each
+    run's final estimator knowledge to the next, as the GPU benchmark does; `cold` hands none."""
+    from types import SimpleNamespace
+
+    from scheduler.sim import policy_check
+
+    calls = []
+
+    def fake_run_sim(cost, classes, setup, workload):
+        calls.append(setup)
+        return SimpleNamespace(
+            full_live_tok_s=1.0,
+            refill_tok_s=1.0,
+            route_mix_full_live={},
+            acceptance=("learned", setup.policy, setup.seed, setup.concurrency),
+        )
+
+    monkeypatch.setattr(policy_check, "run_sim", fake_run_sim)
+    for cold in (False, True):
+        calls.clear()
+        cfg = CheckConfig(seeds=2, cold=cold)
+        points = run_points(MEASURED, ACCEPTANCE, ("code",), (4, 1, 2), cfg, workers=1)
+        assert len(points) == 9 and len(calls) == 18
+        for setup in calls:
+            before = [c for c in (1, 2, 4) if c < setup.concurrency]
+            want = ("learned", setup.policy, setup.seed, before[-1]) if before else None
+            assert setup.acceptance == (None if cold else want)

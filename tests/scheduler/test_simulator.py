@@ -209,3 +209,22 @@ def test_the_switch_back_to_ar_costs_the_profiles_restart():
         sched.update(result, 0.0)
     assert {p for p, _ in charged} == {True, False}  # both kinds of AR round ran
     assert 5.0 in {ms for _, ms in charged}  # two requests: the profile's 2-request point
+
+
+def test_a_run_that_adopts_an_earlier_runs_knowledge_adds_to_its_evidence():
+    """SimSetup.acceptance: the run's scheduler starts from what the earlier run's estimator
+    knew at its end (SimResult.acceptance), so its evidence is the sum of both runs'."""
+    from scheduler.acceptance import PRIOR_COUNT
+
+    wl = Workload(kind="refill", num_requests=8, prompt_len=64, max_tokens=32)
+
+    def run(known=None):
+        setup = SimSetup(policy="all-spec", concurrency=4, acceptance=known)
+        return run_sim(PROFILE, COHORTS["code"], setup, wl)
+
+    first, again = run(), run()
+    observed = first.acceptance.num_prior_obs - PRIOR_COUNT
+    assert observed > 0 and again.acceptance == first.acceptance  # a cold run is repeatable
+    carried = run(first.acceptance)
+    assert carried.acceptance.num_prior_obs == pytest.approx(PRIOR_COUNT + 2 * observed)
+    assert carried.acceptance.prior != first.acceptance.prior
