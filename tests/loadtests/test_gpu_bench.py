@@ -316,6 +316,11 @@ def test_quick_run_writes_every_output(quick_record):
     for terms in (lookup, record["profile"]["by_drafter"]["random:tiny"]):
         assert [c for c, _ in terms["spec_round_ratio_even"]] == points
     assert record["skipped"] == []
+    # runs carry the estimator's knowledge from each C to the next of their line (the default)
+    assert record["config"]["cold_estimator"] is False
+    lowest = min(record["config"]["concurrency"])
+    assert all(r["acceptance_carried"] == (r["concurrency"] > lowest) for r in record["runs"])
+    assert "adopted what the previous run" in md and "(cold)" not in md
     # the record names the repo's acceptance models by their path in the repo
     assert record["config"]["acceptance"] == "scheduler/profiles/acceptance.json"
 
@@ -687,6 +692,16 @@ def test_records_of_one_workload_are_pooled(quick_record, tmp_path):
     assert rederive_main([str(a), str(b), "--out", str(tmp_path / "no")]) == 2
     with pytest.raises(ValueError, match="max_tokens"):
         pool([record, other])
+    # cold and carried records do not pool; a record without the key was made cold
+    cold, older = copy.deepcopy(record), copy.deepcopy(record)
+    cold["config"]["cold_estimator"] = True
+    del older["config"]["cold_estimator"]
+    with pytest.raises(ValueError, match="cold_estimator"):
+        pool([record, cold])
+    with pytest.raises(ValueError, match="cold_estimator"):
+        pool([record, older])
+    assert len(pool([cold, older])["runs"]) == 2 * len(record["runs"])
+    assert "(cold)" in report.markdown(older)
 
 
 def test_each_finished_run_leaves_the_collectors_generations(monkeypatch):
