@@ -160,7 +160,7 @@ def test_splits_never_spill_into_a_partial_wave(num_tiles, num_kv_heads, max_kv_
 
 
 def _sweep_changes() -> list[dict]:
-    from kernels.bench import RULE_VARIANTS, SWEEP_PHASES, sweep_tasks
+    from loadtests.lab.kernels.common import RULE_VARIANTS, SWEEP_PHASES, sweep_tasks
 
     changes = [c for phase in SWEEP_PHASES for c, _ in sweep_tasks(phase)]
     changes += [c for _, c in RULE_VARIANTS]  # the candidates of `--sweep`

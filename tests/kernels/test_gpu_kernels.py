@@ -177,7 +177,7 @@ def test_no_attention_compile_after_the_variants_are_compiled():
     v = torch.randn_like(k)
     attention.compile_variants(k, v, num_q_heads, max_seqs=16, max_q_len=64, max_kv_len=512)
 
-    from loadtests.compile_log import CompileLog
+    from loadtests.lab.compile_log import CompileLog
 
     compiles = CompileLog().install()
     rng = random.Random(0)

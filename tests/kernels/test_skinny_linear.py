@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import bench_linear
+from loadtests.lab.kernels import linear as bench_linear
 from kernels.skinny_linear import (
     _COUNTERS,
     MAX_ROWS,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = sorted((ROOT / "loadtests").glob("*.py")) + sorted((ROOT / "executor").glob("profiler.py"))
+FILES = sorted((ROOT / "loadtests").rglob("*.py")) + sorted((ROOT / "executor").rglob("*.py"))
+FILES += sorted((ROOT / "hipfire_serve").rglob("*.py"))
 
 
 def _imports(path: Path):

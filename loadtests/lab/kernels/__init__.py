@@ -1,0 +1,1 @@
+"""Kernel benchmarks: verify attention and the small kernels, the skinny linear layer, PDL."""
