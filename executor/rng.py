@@ -12,13 +12,8 @@ Every random number the sampler uses is a pure function of
 The batch row is deliberately not part of the key: a seeded request draws the same numbers
 whatever else is in the batch, at whatever row, through AR or speculative rounds alike.
 
-The hash is a 32-bit integer mixer (xor-shift / multiply rounds with well-tested constants).
-`mix32` computes it in int64 tensors: values stay in [0, 2**32) and every product is split into
-16-bit halves, so no operation relies on signed overflow. The per-vocabulary-entry work (the
-bulk: [N, V] elements) runs the same mixer on int32 tensors with wrapping multiplication, about
-a quarter of the memory traffic; `prepare(device)` checks once per device that int32 arithmetic
-there wraps and gives bit-identical results, and falls back to the int64 form if not. Apart
-from that one check, no host-device synchronisation happens.
+The hash is a 32-bit integer mixer (`mix32`); apart from one check per device (`prepare`), no
+host-device synchronisation happens.
 """
 
 from __future__ import annotations
@@ -50,7 +45,14 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective avalanche mixer on [0, 2**32) (the 'lowbias32' constants)."""
+    """A bijective avalanche mixer on [0, 2**32) (the 'lowbias32' constants).
+
+    It runs in int64 tensors: values stay in [0, 2**32) and every product is split into 16-bit
+    halves, so no operation relies on signed overflow. The per-vocabulary-entry work (the bulk:
+    [N, V] elements) runs the same mixer on int32 tensors with wrapping multiplication
+    (`_mix32_wrapping_`), about a quarter of the memory traffic, where `prepare(device)` found
+    that int32 arithmetic wraps and gives bit-identical results; elsewhere it falls back to this
+    form."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
