@@ -1,30 +1,17 @@
 """The round contract between the scheduler (policy) and the executor (device work).
 
-Everything here is torch-free and immutable. The executor imports only this module from
-`scheduler/`. One round:
+Torch-free and immutable; the executor imports only this module from `scheduler/`. One round:
 
     Scheduler.plan(now) -> RoundPlan; Executor.run(plan) -> RoundResult; Scheduler.update(result)
 
-Ownership:
-- The scheduler owns request state (prompt, outputs, KV length) and the KV *block ids*
-  (`scheduler/kv_blocks.py`): it allocates blocks for every row a round writes (prefill chunk,
-  AR row, spec rows incl. drafts) before the round and frees the ones past the committed end after
-  it. The executor owns the KV *tensors* and per-slot device state (block table rows, last token,
-  sequence length, sampling parameters, drafter state) and writes where the plan says.
-- A slot is a fixed row index `0 <= slot < max_concurrency` into the executor's per-slot tables.
-  A request keeps its slot from setup until release.
-- The executor never decides policy; the scheduler never touches tensors.
-
-Layout: the decode part of a round (one AR row or one speculative group per decoding request,
-the bulk of every round at high concurrency) travels as columns, read-only numpy arrays with one
-entry per request (`DecodeRows`), so neither side spends interpreter time per request on it.
-PREFILL chunks, few per round, stay one `ReqPlan` each. Rows are laid out in that order: the
-decode requests in column order, then the prefill chunks. The result (`RoundResult.out`) has one
-row per planned request in the same order.
-
-Row accounting of one round: `sum(r.num_new for r in reqs)` rows. A SPEC request with
-`num_draft = d` contributes `1 + d` rows: its last committed token plus `d` drafted tokens, so a
-spec depth of D (rows per spec request) means at most `D - 1` drafts.
+The scheduler owns request state (prompt, outputs, KV length) and the KV *block ids*
+(`scheduler/kv_blocks.py`): it allocates blocks for every row a round writes (prefill chunk, AR
+row, spec rows incl. drafts) before the round and frees the ones past the committed end after it.
+The executor owns the KV *tensors* and per-slot device state (block table rows, last token,
+sequence length, sampling parameters, drafter state) and writes where the plan says. A slot is a
+fixed row index `0 <= slot < max_concurrency` into the executor's per-slot tables, kept by a
+request from setup until release. The executor never decides policy; the scheduler never
+touches tensors.
 """
 
 from __future__ import annotations
@@ -172,6 +159,19 @@ class DecodeRows(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RoundPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """One round's work.
+
+    The decode part (one AR row or one speculative group per decoding request, the bulk of every
+    round at high concurrency) travels as columns, read-only numpy arrays with one entry per
+    request (`DecodeRows`), so neither side spends interpreter time per request on it. PREFILL
+    chunks, few per round, stay one `ReqPlan` each. Rows are laid out in that order: the decode
+    requests in column order, then the prefill chunks; the result (`RoundResult.out`) has one row
+    per planned request in the same order.
+
+    A round has `sum(r.num_new for r in reqs)` rows. A SPEC request with `num_draft = d`
+    contributes `1 + d` rows: its last committed token plus `d` drafted tokens, so a spec depth
+    of D (rows per spec request) means at most `D - 1` drafts."""
+
     round_id: int
     setup: tuple[SeqSetup, ...] = ()  # applied before the rows
     release: tuple[int, ...] = ()  # slots freed (finished, aborted, preempted) before the rows

@@ -162,11 +162,14 @@ def test_the_lag_kept_for_a_request_is_what_its_drafter_did_not_follow(prompts, 
         spec_rows = plan.decode.num_draft > 0
         assert plan.drafter_lag_rows == int(ex.slot_lag[plan.decode.slots][spec_rows].sum())
         sched.update(ex.run(plan), 0.0)
-        live = np.flatnonzero(sched._slot_decoding)
-        assert np.array_equal(sched._drafter_lag[live], ex.slot_lag[live])
+        live = np.flatnonzero(sched._slot_table.decoding)
+        assert np.array_equal(sched._slot_table.drafter_lag[live], ex.slot_lag[live])
         for q in plan.prefills:
             if q.sample and q.slot in live:
-                assert sched._drafter_lag[q.slot] == q.num_computed + q.num_new - followed[q.req_id]
+                assert (
+                    sched._slot_table.drafter_lag[q.slot]
+                    == q.num_computed + q.num_new - followed[q.req_id]
+                )
     assert not sched.has_work()
 
 
@@ -175,10 +178,10 @@ def test_auto_keeps_its_answer_for_prompts_starting_soon_after_in_a_batch_of_one
 ):
     """The follow question is one planner search over the live batch: prompts starting
     within FOLLOW_RECHECK_ROUNDS of it while the batch keeps its size reuse the answer."""
-    from scheduler import scheduler as scheduler_module
+    from scheduler import follow_prefill as follow_module
 
     def run(window: int) -> tuple[int, int]:
-        monkeypatch.setattr(scheduler_module, "FOLLOW_RECHECK_ROUNDS", window)
+        monkeypatch.setattr(follow_module, "FOLLOW_RECHECK_ROUNDS", window)
         policy = AskedPolicy(True)
         sched = scheduler("auto", policy, max_prefill_tokens=64)
         ex = SimExecutor(PROFILE, COHORTS["code"], 3, seed=0)
@@ -202,10 +205,10 @@ def test_auto_keeps_its_answer_while_a_refilled_batch_stays_near_its_size(monkey
     """A batch of 16 refilled as its requests finish moves by a request or two between
     starts; within 1/FOLLOW_SIZE_TOLERANCE of the size it was asked at, the answer is kept
     (asked exactly, the refill asked again at nearly every start)."""
-    from scheduler import scheduler as scheduler_module
+    from scheduler import follow_prefill as follow_module
 
     def asks(tolerance: int) -> int:
-        monkeypatch.setattr(scheduler_module, "FOLLOW_SIZE_TOLERANCE", tolerance)
+        monkeypatch.setattr(follow_module, "FOLLOW_SIZE_TOLERANCE", tolerance)
         policy = AskedPolicy(True)
         sched = scheduler("auto", policy, max_prefill_tokens=32, max_concurrency=16)
         ex = SimExecutor(PROFILE, COHORTS["code"], 16, seed=0)

@@ -156,7 +156,7 @@ def test_random_workload_accounting(
         assert len(slots) == len(set(slots)) and all(0 <= s < max_concurrency for s in slots)
         assert sched.num_running <= max_concurrency
         per_tenant = defaultdict(int)
-        for req in sched._live:
+        for req in sched._lifecycle.live:
             per_tenant[req.spec.tenant] += 1
         assert tenant_cap == 0 or per_tenant["a"] <= tenant_cap
         assert per_tenant["c"] <= 1
@@ -262,7 +262,7 @@ def test_abort_while_decoding_frees_in_next_plan():
     for _ in range(3):
         sched.update(ex.run(sched.plan(0.0)), 0.0)
     assert sched.request_state(0) == ReqState.DECODING
-    slot0 = next(r.slot for r in sched._live if r.req_id == 0)
+    slot0 = next(r.slot for r in sched._lifecycle.live if r.req_id == 0)
     sched.abort(0)
     plan = sched.plan(0.0)
     assert plan.release == (slot0,)

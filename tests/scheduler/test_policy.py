@@ -276,9 +276,9 @@ def test_a_probe_rounds_positions_weigh_more_in_the_calibration():
     while sched.has_work() and len(weights) < 2:
         plan = sched.plan(0.0)
         sched.update(ex.run(plan), 0.0)
-        obs = sched._pending_obs[-1]
+        obs = sched._outcomes.rounds[-1]
         if obs is not None:
-            weights.append(obs[3])
+            weights.append(obs.weight)
             plan_probes.append(plan.probe)
     assert plan_probes == [True, False]
     assert weights == [PROBE_CALIB_WEIGHT, 1.0] and PROBE_CALIB_WEIGHT > 1.0

@@ -89,12 +89,11 @@ def test_the_scheduler_feeds_each_speculating_rounds_expected_and_accepted_draft
         now += result.timings.total_ms / 1e3
         d = plan.decode.num_draft
         if d.any():
-            completing = plan.predicted_tokens - len(d) - sched._last_extra_tokens
+            expected = sched._in_flight.latest.expected_accepted
+            completing = plan.predicted_tokens - len(d) - expected
             assert abs(completing - round(completing)) < 1e-9  # whole prefills, no drafts
             n = len(d)
-            want.append(
-                (sched._last_extra_tokens, float(np.minimum(result.out.num_accepted[:n], d).sum()))
-            )
+            want.append((expected, float(np.minimum(result.out.num_accepted[:n], d).sum())))
         sched.update(result, now)
     assert len(want) > 5 and seen == want
     assert 0.6 < sched.yield_tracker.factor < 1.5  # learned estimators on a stationary cohort
