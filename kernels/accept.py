@@ -4,30 +4,13 @@ Rows of sequence s are `cu_rows[s] .. cu_rows[s+1]-1` (n_s rows; n_s = 0 for gra
 Row i of a sequence is the target's prediction for the position after the token fed at row i.
 `draft_ids[row i]` is the drafted token fed at row i+1, i.e. the draft for the position that
 row i predicts; the last row's entry is unused (there is no row after it). So a sequence with n
-rows carries n-1 drafts, and emits between 1 and n tokens.
+rows carries n-1 drafts, and emits between 1 and n tokens. The rule of each kind is written
+beside its wrapper (`accept_greedy`, `accept_rejection`).
 
-Greedy (`accept_greedy`), target_ids[row] = argmax of the target at that row:
-    a = longest prefix length with draft_ids[r0+i] == target_ids[r0+i], i < n-1
-    emitted = target_ids[r0 : r0+a+1]  (the a accepted drafts, then the correction at the first
-              mismatch, or the bonus token when all n-1 drafts match)
-This is token-identical to greedy decoding one token at a time.
-
-Sampled (`accept_rejection`), p_i = target_probs[r0+i] (temperature, top-k, top-p, min-p already
-applied, rows summing to 1), q_i = draft_probs[r0+i] the drafter's distribution for the same
-position, x_i = draft_ids[r0+i], u_i = uniforms[r0+i]:
-    draft i is accepted iff u_i * q_i(x_i) < p_i(x_i)   (probability min(1, p/q))
-    a = number of drafts accepted before the first rejection
-    if a < n-1: the token at position a is drawn from max(p_a - q_a, 0), renormalised
-    else:       the bonus token is drawn from p_{n-1}
-For a drafter without probabilities (`draft_probs=None`, a point mass on x_i): accept iff
-u_i < p_i(x_i); on rejection draw from p_a with x_a removed, renormalised. Either way the emitted
-tokens have exactly the target's distribution (Leviathan et al. 2023, Chen et al. 2023). The draw
-uses inverse-CDF sampling with `residual_uniforms[r0+a]`: the first token whose running sum of
-weights exceeds u * total. If the residual has no mass (p == q up to rounding), p_a is used.
-
-Outputs (only these leave the device): num_accepted [S] int32 = a (0 for padding),
-out_tokens [S, max_rows] int32 with the a+1 emitted tokens first and -1 after them (all -1 for
-padding). A sequence with more than max_rows rows is treated as having its first max_rows rows.
+Outputs (only these leave the device): num_accepted [S] int32 = a, the drafts accepted (0 for
+padding), out_tokens [S, max_rows] int32 with the a+1 emitted tokens first and -1 after them (all
+-1 for padding). A sequence with more than max_rows rows is treated as having its first max_rows
+rows.
 """
 
 from __future__ import annotations
@@ -78,7 +61,14 @@ def accept_greedy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """target_ids, draft_ids [num_rows] int32/int64; cu_rows [S+1] int32; max_rows: a host-side
     bound on rows per sequence (the spec depth), default num_rows.
-    Returns (num_accepted [S] int32, out_tokens [S, max_rows] int32, -1 padded)."""
+    Returns (num_accepted [S] int32, out_tokens [S, max_rows] int32, -1 padded).
+
+    With target_ids[row] the argmax of the target at that row and r0 a sequence's first row:
+        a = longest prefix length with draft_ids[r0+i] == target_ids[r0+i], i < n-1
+        emitted = target_ids[r0 : r0+a+1]  (the a accepted drafts, then the correction at the
+                  first mismatch, or the bonus token when all n-1 drafts match)
+    This is token-identical to greedy decoding one token at a time.
+    """
     (num_rows,) = target_ids.shape  # [num_rows]
     assert draft_ids.shape == (num_rows,)
     assert target_ids.dtype in _ID_DTYPES and draft_ids.dtype in _ID_DTYPES
@@ -93,6 +83,24 @@ def accept_greedy(
             ROWS_PAD=triton.next_power_of_2(max_rows), num_warps=1,
         )
     return num_acc, out
+
+
+@triton.jit
+def _residual_chunk(
+    p_ptr, q_ptr, row, stride_p, stride_q, v0, offs_v, vocab, rejected, x_rej,
+    HAS_Q: tl.constexpr,
+):
+    """p and the residual weights of vocabulary entries v0 + offs_v of `row`: max(p - q, 0)
+    after a rejection (p with the rejected draft removed without draft probabilities), p on
+    the bonus row."""
+    v_ok = v0 + offs_v < vocab
+    p = tl.load(p_ptr + row * stride_p + v0 + offs_v, mask=v_ok, other=0.0)
+    if HAS_Q:
+        q = tl.load(q_ptr + row * stride_q + v0 + offs_v, mask=v_ok, other=0.0)
+        res = tl.maximum(p - tl.where(rejected, q, 0.0), 0.0)
+    else:
+        res = tl.where(rejected & (v0 + offs_v == x_rej), 0.0, p)
+    return p, res
 
 
 @triton.jit(do_not_specialize=["num_rows", "max_rows"])
@@ -126,13 +134,9 @@ def _accept_rejection_kernel(
     res_total = 0.0
     p_total = 0.0
     for v0 in range(0, vocab, CHUNK):
-        v_ok = v0 + offs_v < vocab
-        p = tl.load(p_ptr + row * stride_p + v0 + offs_v, mask=v_ok, other=0.0)
-        if HAS_Q:
-            q = tl.load(q_ptr + row * stride_q + v0 + offs_v, mask=v_ok, other=0.0)
-            res = tl.maximum(p - tl.where(rejected, q, 0.0), 0.0)
-        else:
-            res = tl.where(rejected & (v0 + offs_v == x_rej), 0.0, p)
+        p, res = _residual_chunk(
+            p_ptr, q_ptr, row, stride_p, stride_q, v0, offs_v, vocab, rejected, x_rej, HAS_Q
+        )
         res_total += tl.sum(res, 0)
         p_total += tl.sum(p, 0)
     use_res = res_total > 0.0
@@ -142,13 +146,9 @@ def _accept_rejection_kernel(
     chosen = vocab  # first index whose running sum exceeds target
     last_pos = 0  # fallback when rounding leaves target >= the final sum: last positive weight
     for v0 in range(0, vocab, CHUNK):
-        v_ok = v0 + offs_v < vocab
-        p = tl.load(p_ptr + row * stride_p + v0 + offs_v, mask=v_ok, other=0.0)
-        if HAS_Q:
-            q = tl.load(q_ptr + row * stride_q + v0 + offs_v, mask=v_ok, other=0.0)
-            res = tl.maximum(p - tl.where(rejected, q, 0.0), 0.0)
-        else:
-            res = tl.where(rejected & (v0 + offs_v == x_rej), 0.0, p)
+        p, res = _residual_chunk(
+            p_ptr, q_ptr, row, stride_p, stride_q, v0, offs_v, vocab, rejected, x_rej, HAS_Q
+        )
         w = tl.where(use_res, res, p)
         cum = running + tl.cumsum(w, 0)
         hit = (cum > target) & (w > 0.0)
@@ -175,7 +175,22 @@ def accept_rejection(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """target_probs [num_rows, V] fp32, draft_probs [num_rows, V] fp32 or None, draft_ids
     [num_rows] int32/int64, cu_rows [S+1] int32, uniforms / residual_uniforms [num_rows] fp32 in
-    [0, 1). Returns (num_accepted [S] int32, out_tokens [S, max_rows] int32, -1 padded)."""
+    [0, 1). Returns (num_accepted [S] int32, out_tokens [S, max_rows] int32, -1 padded).
+
+    p_i = target_probs[r0+i] (temperature, top-k, top-p, min-p already applied, rows summing
+    to 1), q_i = draft_probs[r0+i] the drafter's distribution for the same position,
+    x_i = draft_ids[r0+i], u_i = uniforms[r0+i]:
+        draft i is accepted iff u_i * q_i(x_i) < p_i(x_i)   (probability min(1, p/q))
+        a = number of drafts accepted before the first rejection
+        if a < n-1: the token at position a is drawn from max(p_a - q_a, 0), renormalised
+        else:       the bonus token is drawn from p_{n-1}
+    For a drafter without probabilities (`draft_probs=None`, a point mass on x_i): accept iff
+    u_i < p_i(x_i); on rejection draw from p_a with x_a removed, renormalised. Either way the
+    emitted tokens have exactly the target's distribution (Leviathan et al. 2023, Chen et al.
+    2023). The draw uses inverse-CDF sampling with `residual_uniforms[r0+a]`: the first token
+    whose running sum of weights exceeds u * total. If the residual has no mass (p == q up to
+    rounding), p_a is used.
+    """
     num_rows, vocab = target_probs.shape  # [num_rows, V]
     assert target_probs.dtype == torch.float32 and target_probs.stride(1) == 1
     if draft_probs is not None:
@@ -206,6 +221,20 @@ def accept_rejection(
     return num_acc, out
 
 
+def _ref_outputs(
+    cu_rows: torch.Tensor, num_rows: int, max_rows: int | None
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """A reference's host outputs before any sequence is accepted (num_accepted 0, out_tokens
+    all -1) and (seq, first row, rows) of every sequence with rows, capped at max_rows."""
+    num_seqs = cu_rows.shape[0] - 1
+    max_rows = num_rows if max_rows is None else max_rows
+    num_acc = torch.zeros((num_seqs,), dtype=torch.int32)  # [S]
+    out = torch.full((num_seqs, max_rows), -1, dtype=torch.int32)  # [S, max_rows]
+    cu = cu_rows.tolist()
+    seqs = [(seq, cu[seq], min(cu[seq + 1] - cu[seq], max_rows)) for seq in range(num_seqs)]
+    return num_acc, out, [(seq, r0, n) for seq, r0, n in seqs if n != 0]
+
+
 def accept_greedy_ref(
     target_ids: torch.Tensor,
     draft_ids: torch.Tensor,
@@ -214,17 +243,9 @@ def accept_greedy_ref(
     max_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure torch, host loop over sequences; same outputs as `accept_greedy`."""
-    num_seqs = cu_rows.shape[0] - 1
-    max_rows = target_ids.shape[0] if max_rows is None else max_rows
-    num_acc = torch.zeros((num_seqs,), dtype=torch.int32)
-    out = torch.full((num_seqs, max_rows), -1, dtype=torch.int32)
-    cu = cu_rows.tolist()
+    num_acc, out, seqs = _ref_outputs(cu_rows, target_ids.shape[0], max_rows)
     target, draft = target_ids.tolist(), draft_ids.tolist()
-    for seq in range(num_seqs):
-        r0 = cu[seq]
-        n = min(cu[seq + 1] - r0, max_rows)
-        if n == 0:
-            continue
+    for seq, r0, n in seqs:
         a = 0
         while a < n - 1 and draft[r0 + a] == target[r0 + a]:
             a += 1
@@ -252,20 +273,12 @@ def accept_rejection_ref(
     *,
     max_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure torch, host loop over sequences; the rule of the module docstring, step by step."""
-    num_seqs = cu_rows.shape[0] - 1
-    max_rows = target_probs.shape[0] if max_rows is None else max_rows
-    num_acc = torch.zeros((num_seqs,), dtype=torch.int32)
-    out = torch.full((num_seqs, max_rows), -1, dtype=torch.int32)
+    """Pure torch, host loop over sequences; the rule of `accept_rejection`, step by step."""
+    num_acc, out, seqs = _ref_outputs(cu_rows, target_probs.shape[0], max_rows)
     p_all, ids = target_probs.float().cpu(), draft_ids.tolist()
     q_all = None if draft_probs is None else draft_probs.float().cpu()
     u, ru = uniforms.tolist(), residual_uniforms.tolist()
-    cu = cu_rows.tolist()
-    for seq in range(num_seqs):
-        r0 = cu[seq]
-        n = min(cu[seq + 1] - r0, max_rows)
-        if n == 0:
-            continue
+    for seq, r0, n in seqs:
         a = 0
         while a < n - 1:
             x = ids[r0 + a]

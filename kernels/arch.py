@@ -2,40 +2,13 @@
 
 One table (`FAMILY_CONFIGS`) holds every tunable: tile sizes, warps, pipelining stages and the
 AMD occupancy hint `waves_per_eu`. Tuning a new GPU means adding or editing one entry here; the
-kernels never branch on the device themselves.
-
-Families:
-- `hopper`: sm90 (H100, H200). Large tiles: wgmma wants 64-row multiples and 4-warp groups.
-  Attention entry chosen by the tile sweep of `kernels.bench --tune` on an H200 (see
-  docs/perf/kernels.md): 128-vector tiles of 8 warps capped at 128 registers, so two share an
-  SM; programs per SM by tile size read off the compiled binaries' registers and shared memory
-  (tests/kernels/attention_sm90_compile.py checks them); lazy rescaling and one-tile-ahead q.k
-  off, both slower on most swept shapes.
-  Shape rules for the 128-vector tiles (16 rows x GQA 8), all from host-known shapes only
-  (`plan_launch` applies them). Stages: split launches, whose grid is one wave of programs,
-  take 2 stages and unsplit grids of several waves 3; the sweep of 2026-11-29 21:08 UTC put 2
-  stages ahead at batch 16 / 8k (207 against 212 us) and batch 1 / 32k (69 against 71 us) and
-  3 ahead at batch 64 / 8k and 32k (750 against 779 us, 2960 against 3035 us). Fill: a grid of
-  128-vector programs below half of its slots (batch 1 at 1k: 16 programs for 264 slots; at 8k:
-  128) leaves SMs idle that twice as many 64-vector programs use; those shapes took 20.2 and
-  30.4 us with 64-vector tiles in the 19:37 record against 23.3 and 36.1 us with 128-vector
-  tiles at 21:14, while grids at 97% of the slots (batch 16 at 1k, batch 1 at 32k) were faster
-  with 128-vector tiles (49.0 against 59.5 us, 69.1 against 85 us).
-  Short contexts (block tables under 4096 tokens: the decode graphs of contexts up to 2k
-  with 16-token pages): the sweep of 2026-11-29 23:02 UTC timed batch 16 / 1k / 16 rows at 49.2 us
-  with 128-vector tiles in 2 splits (97% of the slots) against 36.1 us with 64-vector tiles
-  unsplit, and batch 1 / 1k at 18.8 us (16 rows) and 18.5 us (8 rows) with 2 splits of 512
-  tokens against 14.6 and 11.5 us with 8 splits of 128 (64-vector tiles, 3 stages). So below
-  `short_ctx_len` the fill rule counts the 128-vector grid without its splits (batch 64 / 1k
-  keeps its unsplit 128-vector tiles, 194% of the slots) and splits may be 128 tokens short;
-  contexts of 4096 tokens and more plan as before.
-  `python -m kernels.bench --sweep` times each rule's choice against the alternatives.
-- `ampere_ada`: sm80/86/89. mma.sync tiles, smaller shared memory on the consumer parts.
-- `cdna3`: gfx94x (MI300). wave64, 64 KB LDS per CU, MFMA.
-- `rdna3`: gfx110x and gfx115x (incl. gfx1151 Strix Halo). wave32 with WMMA, 64 KB LDS.
-- `rdna4`: gfx120x (incl. gfx1201, Radeon AI PRO R9700). wave32 with WMMA, 64 KB LDS.
-- `default`: anything else (gfx103x has no WMMA, unknown NVIDIA parts, the CPU interpreter):
-  small tiles that fit everywhere.
+kernels never branch on the device themselves. The field defaults are the `default` entry (small
+tiles that fit everywhere); every other entry states only what differs, and why, beside it.
+Families: `hopper` sm90 (H100, H200); `ampere_ada` sm80/86/89; `cdna3` gfx94x and gfx950
+(MI300); `rdna3` gfx110x and gfx115x (incl. gfx1151 Strix Halo); `rdna4` gfx120x (incl. gfx1201,
+Radeon AI PRO R9700); `default` anything else (gfx103x has no WMMA, unknown NVIDIA parts, the
+CPU interpreter). The timings behind the Hopper entry are in docs/perf/kernels.md;
+`hipfire-bench kernels --sweep` times each tile rule's choice against the alternatives.
 """
 
 from __future__ import annotations
@@ -44,7 +17,7 @@ import contextlib
 import functools
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -57,166 +30,112 @@ class AttentionTiles:
     `num_stages_split` when the KV is split); larger tiles use the `*_large` settings.
     """
 
-    block_n: int  # KV tokens per inner step
-    max_block_m: int  # cap on rows_per_tile * group_pad (query vectors per program)
-    num_warps: int  # for tiles of up to 64 query vectors
-    num_stages: int
-    num_stages_split: int  # split launches of tiles of up to 64 query vectors
-    block_n_large: int  # for tiles of more than 64 query vectors
-    num_warps_large: int
-    num_stages_large: int  # larger tiles, unsplit launches
-    num_stages_large_split: int  # larger tiles, split launches
+    block_n: int = 32  # KV tokens per inner step
+    max_block_m: int = 64  # cap on rows_per_tile * group_pad (query vectors per program)
+    num_warps: int = 4  # for tiles of up to 64 query vectors
+    num_stages: int = 1
+    num_stages_split: int = 1  # split launches of tiles of up to 64 query vectors
+    block_n_large: int = 32  # for tiles of more than 64 query vectors
+    num_warps_large: int = 4
+    num_stages_large: int = 1  # larger tiles, unsplit launches
+    num_stages_large_split: int = 1  # larger tiles, split launches
     # A grid of larger tiles (tiles x KV heads x splits) that would fill fewer than this percent
     # of its program slots takes tiles of up to 64 query vectors instead (twice the programs,
     # each sequence's rows cut in halves); 0: never.
-    min_fill_pct_large: int
-    lazy_rescale: int  # 1: rescale the accumulator only when a row's max grows by > 2**8
-    pipeline_qk: int  # 1: issue q.k of the next KV tile before this tile's softmax and PV
-    max_regs: int  # NVIDIA, tiles of up to 64 query vectors: register cap per thread, 0: none
-    max_regs_large: int  # the same for larger tiles (128 lets two 8-warp programs share an SM)
-    waves_per_eu: int  # AMD only: occupancy hint, 0 leaves it to the compiler
-    min_split_len: int  # fewest KV tokens worth a split of their own
-    max_splits: int
+    min_fill_pct_large: int = 0
+    lazy_rescale: int = 0  # 1: rescale the accumulator only when a row's max grows by > 2**8
+    pipeline_qk: int = 0  # 1: issue q.k of the next KV tile before this tile's softmax and PV
+    max_regs: int = 0  # NVIDIA, tiles of up to 64 query vectors: register cap per thread, 0: none
+    max_regs_large: int = 0  # the same for larger tiles (128 lets two 8-warp programs share an SM)
+    waves_per_eu: int = 0  # AMD only: occupancy hint, 0 leaves it to the compiler
+    min_split_len: int = 256  # fewest KV tokens worth a split of their own
+    max_splits: int = 16
     # Block-table capacities (KV tokens) under this count as short contexts; 0: none. There a
     # split costs about what it saves (its partials are written and merged for little KV), so
     # the fallback rule above counts a grid of larger tiles without its splits, and a grid
     # below one wave may split down to `min_split_len_short` tokens.
-    short_ctx_len: int
-    min_split_len_short: int
+    short_ctx_len: int = 0
+    min_split_len_short: int = 256
     # Programs one SM / CU holds at once, by query vectors per tile, at `num_stages` (the split
     # rule fills these slots): 16, 32, 33..64 and more than 64 (at the `*_large` settings).
-    programs_per_sm_m16: int
-    programs_per_sm_m32: int
-    programs_per_sm: int
-    programs_per_sm_large: int
+    programs_per_sm_m16: int = 2
+    programs_per_sm_m32: int = 2
+    programs_per_sm: int = 2
+    programs_per_sm_large: int = 1
 
 
 @dataclass(frozen=True)
 class ArchConfig:
     family: str
-    warp_size: int
-    lds_bytes: int  # shared memory (LDS) per block we plan for
-    attention: AttentionTiles
-    row_warps: int  # norms, RoPE, accept: one program per row
-    vocab_chunk: int  # vocabulary entries per program of argmax / top-k
-    waves_per_eu: int  # AMD occupancy hint for the row kernels, 0: compiler default
+    warp_size: int = 32
+    lds_bytes: int = 48 * 1024  # shared memory (LDS) per block we plan for
+    attention: AttentionTiles = field(default_factory=AttentionTiles)
+    row_warps: int = 4  # norms, RoPE, accept: one program per row
+    vocab_chunk: int = 2048  # vocabulary entries per program of argmax / top-k
+    waves_per_eu: int = 0  # AMD occupancy hint for the row kernels, 0: compiler default
 
+
+# GPUs with matrix units and 64 KB or more of shared memory per SM / CU hold four programs of up
+# to 64 query vectors (two larger ones) at once.
+_FOUR_PER_SM = AttentionTiles(
+    programs_per_sm_m16=4, programs_per_sm_m32=4, programs_per_sm=4, programs_per_sm_large=2,
+)
+# The data-centre parts: 64 KV tokens per step, tiles of up to 128 query vectors in 8 warps,
+# splits of at least 512 tokens, up to 32 of them.
+_LARGE_TILES = replace(
+    _FOUR_PER_SM, block_n=64, max_block_m=128, block_n_large=64, num_warps_large=8,
+    min_split_len=512, min_split_len_short=512, max_splits=32,
+)
+_LARGE_ROWS = {"row_warps": 8, "vocab_chunk": 4096}  # row kernels of the same parts
 
 FAMILY_CONFIGS: dict[str, ArchConfig] = {
+    # wgmma wants 64-row multiples and 4-warp groups. 128-vector tiles of 8 warps are capped at
+    # 128 registers so that two share an SM; the programs per SM by tile size follow from the
+    # compiled binaries' registers and shared memory (tests/kernels/attention_sm90_compile.py
+    # checks them). Lazy rescaling and one-tile-ahead q.k stay off: both lose on most shapes of
+    # the tile sweep. 128-vector tiles take 2 stages in split launches, whose grid is one wave
+    # of programs, and 3 in unsplit grids of several waves. A 128-vector grid below half of its
+    # slots falls back to 64-vector tiles, whose twice as many programs keep more SMs busy than
+    # one read of the KV per sequence saves. Block tables under 4096 tokens (the decode graphs
+    # of contexts up to 2k with 16-token pages) count as short: the fill rule counts the grid
+    # without its splits there, and splits may be 128 tokens short.
     "hopper": ArchConfig(
         family="hopper",
-        warp_size=32,
         lds_bytes=227 * 1024,
-        attention=AttentionTiles(
-            block_n=64, max_block_m=128, num_warps=4, num_stages=2,
-            num_stages_split=3, block_n_large=64, num_warps_large=8,
-            num_stages_large=3, num_stages_large_split=2,
-            min_fill_pct_large=50, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            max_regs_large=128, waves_per_eu=0,
-            min_split_len=512, max_splits=32, short_ctx_len=4096,
-            min_split_len_short=128, programs_per_sm_m16=4, programs_per_sm_m32=3,
+        attention=replace(
+            _LARGE_TILES, num_stages=2, num_stages_split=3, num_stages_large=3,
+            num_stages_large_split=2, min_fill_pct_large=50, max_regs_large=128,
+            short_ctx_len=4096, min_split_len_short=128, programs_per_sm_m32=3,
             programs_per_sm=2,
-            programs_per_sm_large=2,
         ),
-        row_warps=8,
-        vocab_chunk=4096,
-        waves_per_eu=0,
+        **_LARGE_ROWS,
     ),
+    # mma.sync tiles; smaller shared memory on the consumer parts.
     "ampere_ada": ArchConfig(
         family="ampere_ada",
-        warp_size=32,
         lds_bytes=99 * 1024,
-        attention=AttentionTiles(
-            block_n=64, max_block_m=128, num_warps=4, num_stages=2,
-            num_stages_split=2, block_n_large=64, num_warps_large=8,
-            num_stages_large=2, num_stages_large_split=2,
-            min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            max_regs_large=0, waves_per_eu=0,
-            min_split_len=512, max_splits=32, short_ctx_len=0,
-            min_split_len_short=512, programs_per_sm_m16=4, programs_per_sm_m32=4,
-            programs_per_sm=4,
-            programs_per_sm_large=2,
+        attention=replace(
+            _LARGE_TILES, num_stages=2, num_stages_split=2, num_stages_large=2,
+            num_stages_large_split=2,
         ),
-        row_warps=8,
-        vocab_chunk=4096,
-        waves_per_eu=0,
+        **_LARGE_ROWS,
     ),
+    # wave64, 64 KB LDS per CU, MFMA.
     "cdna3": ArchConfig(
         family="cdna3",
         warp_size=64,
         lds_bytes=64 * 1024,
-        attention=AttentionTiles(
-            block_n=64, max_block_m=128, num_warps=4, num_stages=1,
-            num_stages_split=1, block_n_large=64, num_warps_large=8,
-            num_stages_large=1, num_stages_large_split=1,
-            min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            max_regs_large=0, waves_per_eu=2,
-            min_split_len=512, max_splits=32, short_ctx_len=0,
-            min_split_len_short=512, programs_per_sm_m16=4, programs_per_sm_m32=4,
-            programs_per_sm=4,
-            programs_per_sm_large=2,
-        ),
-        row_warps=8,
-        vocab_chunk=4096,
-        waves_per_eu=0,
+        attention=replace(_LARGE_TILES, waves_per_eu=2),
+        **_LARGE_ROWS,
     ),
+    # wave32 with WMMA, 64 KB LDS.
     "rdna3": ArchConfig(
-        family="rdna3",
-        warp_size=32,
-        lds_bytes=64 * 1024,
-        attention=AttentionTiles(
-            block_n=32, max_block_m=64, num_warps=4, num_stages=1,
-            num_stages_split=1, block_n_large=32, num_warps_large=4,
-            num_stages_large=1, num_stages_large_split=1,
-            min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            max_regs_large=0, waves_per_eu=2,
-            min_split_len=256, max_splits=16, short_ctx_len=0,
-            min_split_len_short=256, programs_per_sm_m16=4, programs_per_sm_m32=4,
-            programs_per_sm=4,
-            programs_per_sm_large=2,
-        ),
-        row_warps=4,
-        vocab_chunk=2048,
-        waves_per_eu=0,
+        family="rdna3", lds_bytes=64 * 1024, attention=replace(_FOUR_PER_SM, waves_per_eu=2)
     ),
     "rdna4": ArchConfig(
-        family="rdna4",
-        warp_size=32,
-        lds_bytes=64 * 1024,
-        attention=AttentionTiles(
-            block_n=32, max_block_m=64, num_warps=4, num_stages=1,
-            num_stages_split=1, block_n_large=32, num_warps_large=4,
-            num_stages_large=1, num_stages_large_split=1,
-            min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            max_regs_large=0, waves_per_eu=2,
-            min_split_len=256, max_splits=16, short_ctx_len=0,
-            min_split_len_short=256, programs_per_sm_m16=4, programs_per_sm_m32=4,
-            programs_per_sm=4,
-            programs_per_sm_large=2,
-        ),
-        row_warps=4,
-        vocab_chunk=2048,
-        waves_per_eu=0,
+        family="rdna4", lds_bytes=64 * 1024, attention=replace(_FOUR_PER_SM, waves_per_eu=2)
     ),
-    "default": ArchConfig(
-        family="default",
-        warp_size=32,
-        lds_bytes=48 * 1024,
-        attention=AttentionTiles(
-            block_n=32, max_block_m=64, num_warps=4, num_stages=1,
-            num_stages_split=1, block_n_large=32, num_warps_large=4,
-            num_stages_large=1, num_stages_large_split=1,
-            min_fill_pct_large=0, lazy_rescale=0, pipeline_qk=0, max_regs=0,
-            max_regs_large=0, waves_per_eu=0,
-            min_split_len=256, max_splits=16, short_ctx_len=0,
-            min_split_len_short=256, programs_per_sm_m16=2, programs_per_sm_m32=2,
-            programs_per_sm=2,
-            programs_per_sm_large=1,
-        ),
-        row_warps=4,
-        vocab_chunk=2048,
-        waves_per_eu=0,
-    ),
+    "default": ArchConfig(family="default"),
 }
 
 # gfx11 and gfx12 have WMMA; gfx103x (RDNA2) does not and must not be taken for RDNA3.

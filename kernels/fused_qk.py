@@ -5,27 +5,12 @@ copies) and writes three things: the normed, rotated q into a new contiguous buf
 attention, and the normed, rotated k and the raw v into their cache slots. Models without q/k
 norm (Llama, Mistral, Qwen2) run the same kernel with the norm compiled out.
 
-    qkv          [N, (Hq + 2 Hkv) * D]   q heads | k heads | v heads (rows may be strided)
-    q_norm/k_norm[D] or both None
-    positions    [N] int64
-    cos_sin_cache[max_pos, rot_dim] fp32: cos of the rot_dim/2 frequencies | their sin
-    slot_mapping [N] int64   block_id * block_size + offset; < 0: a padded row, whose k/v are
-                             not stored and whose q is normed but not rotated
-    k/v_cache    [num_blocks, block_size, Hkv, D]
-    returns q    [N, Hq, D] contiguous
-
-Styles: neox rotates dim i with dim i + rot_dim/2; interleaved (GPT-J) rotates 2i with 2i+1.
-Dims >= rot_dim (partial rotary) are normed and pass through unrotated. Every RoPE scaling type
-(linear, llama3, yarn...) lives in how the cos/sin table was built.
-
 Rounding follows the separate modules this replaces (`norms.head_rms_norm` then
 `rope_kv.rope_and_write_kv`): the normed value is rounded to the dtype before the weight
 multiplies it, the weighted value is rounded again before the rotation, and the rotation runs in
-fp32 and is rounded once.
-
-Grid: one program per (row, block of heads). A row's heads are cut into blocks of at most
-`_MAX_HEADS_PER_PROGRAM`: q blocks, then k blocks, then v blocks, so even a one-row round keeps
-several programs busy and every program moves a similar amount of data.
+fp32 and is rounded once. Grid: one program per (row, block of heads). A row's heads are cut into
+blocks of at most `_MAX_HEADS_PER_PROGRAM`: q blocks, then k blocks, then v blocks, so even a
+one-row round keeps several programs busy and every program moves a similar amount of data.
 """
 
 from __future__ import annotations
@@ -36,7 +21,7 @@ import triton.language as tl
 
 from kernels.arch import arch_config, launch_options, pdl_options
 from kernels.norms import head_rms_norm_ref
-from kernels.rope_kv import rope_and_write_kv_ref
+from kernels.rope_kv import load_cos_sin, rope_and_write_kv_ref, rotary_pair_dims
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEADS_PER_PROGRAM = 8
@@ -54,12 +39,7 @@ def _norm_rope_heads(
     offs_h = tl.arange(0, HEADS)
     offs_f = tl.arange(0, HALF_PAD)
     offs_p = 2 * HALF + tl.arange(0, PASS_PAD)  # partial rotary tail; all masked when rot = D
-    if IS_NEOX:
-        dim1 = offs_f
-        dim2 = offs_f + HALF
-    else:
-        dim1 = offs_f * 2
-        dim2 = offs_f * 2 + 1
+    dim1, dim2 = rotary_pair_dims(offs_f, HALF, IS_NEOX)
     h_mask = offs_h[:, None] < num_heads
     f_mask = offs_f < HALF
     p_mask = offs_p < HEAD_DIM
@@ -128,11 +108,7 @@ def _qk_norm_rope_kv_kernel(
     if blk < num_q_blocks + num_k_blocks:
         # A padded row may carry any position: read row 0 and rotate by the identity instead.
         pos = tl.where(is_real, tl.load(pos_ptr + row), 0)
-        offs_f = tl.arange(0, HALF_PAD)
-        f_mask = offs_f < HALF
-        cs_row = cos_sin_ptr + pos * stride_cs_pos
-        cos = tl.load(cs_row + offs_f, mask=f_mask, other=0.0).to(tl.float32)  # [HALF_PAD]
-        sin = tl.load(cs_row + HALF + offs_f, mask=f_mask, other=0.0).to(tl.float32)
+        cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs_pos, HALF, HALF_PAD)  # [HALF_PAD]
         cos = tl.where(is_real, cos, 1.0)
         sin = tl.where(is_real, sin, 0.0)
         if blk < num_q_blocks:
@@ -203,7 +179,20 @@ def qk_norm_rope_and_write_kv(
     num_q_heads: int,
     is_neox: bool,
 ) -> torch.Tensor:
-    """Returns q [N, Hq, D] and stores k, v into the cache (see the module docstring)."""
+    """Returns q [N, Hq, D] contiguous and stores k, v into the cache.
+
+        qkv          [N, (Hq + 2 Hkv) * D]   q heads | k heads | v heads (rows may be strided)
+        q_norm/k_norm[D] or both None
+        positions    [N] int64
+        cos_sin_cache[max_pos, rot_dim] fp32: cos of the rot_dim/2 frequencies | their sin
+        slot_mapping [N] int64   block_id * block_size + offset; < 0: a padded row, whose k/v
+                                 are not stored and whose q is normed but not rotated
+        k/v_cache    [num_blocks, block_size, Hkv, D]
+
+    is_neox: rotate dim i with dim i + rot_dim/2 (neox), else 2i with 2i+1 (GPT-J). Dims >=
+    rot_dim (partial rotary) are normed and pass through unrotated. Every RoPE scaling type
+    (linear, llama3, yarn...) lives in how the cos/sin table was built.
+    """
     num_rows, num_kv_heads, head_dim = _check_args(
         qkv, q_norm, k_norm, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
         num_q_heads,

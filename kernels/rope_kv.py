@@ -4,21 +4,10 @@ One program per token: it rotates every q and k head of that token in place and 
 rotated k and v to `k_cache/v_cache[slot // block_size, slot % block_size]`, so the new rows'
 KV is in the cache before attention reads it, without a second pass over k.
 
-    q            [N, Hq, D]      rotated in place (rows may be strided: a view into fused qkv)
-    k, v         [N, Hkv, D]     k rotated in place
-    positions    [N] int64
-    cos_sin_cache[max_pos, rot_dim] fp32: cos of the rot_dim/2 frequencies | their sin
-    slot_mapping [N] int64       block_id * block_size + offset; < 0: padding, the token is
-                                 left untouched (no rotation, no write)
-    k/v_cache    [num_blocks, block_size, Hkv, D]
-
-Styles: neox rotates dim i with dim i + rot_dim/2; interleaved (GPT-J) rotates 2i with 2i+1.
-Dims >= rot_dim (partial rotary) pass through. Every RoPE scaling type (linear, llama3, yarn...)
-lives in how the cache table was built; the rotation itself is the same.
-
 The model's forward uses `kernels.fused_qk` instead, which also applies Qwen3's q/k norm and
-reads q, k, v straight from the fused projection output in the same launch; this in-place form
-serves callers that hold q, k and v as separate tensors.
+reads q, k, v straight from the fused projection output in the same launch (and shares the
+rotary helpers of this module); this in-place form serves callers that hold q, k and v as
+separate tensors.
 """
 
 from __future__ import annotations
@@ -31,6 +20,30 @@ from kernels.arch import arch_config, launch_options
 
 
 @triton.jit
+def rotary_pair_dims(offs_f, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """The two dims rotated together by frequency offs_f: (i, i + HALF) in the neox style,
+    (2i, 2i + 1) interleaved."""
+    if IS_NEOX:
+        dim1 = offs_f
+        dim2 = offs_f + HALF
+    else:
+        dim1 = offs_f * 2
+        dim2 = offs_f * 2 + 1
+    return dim1, dim2
+
+
+@triton.jit
+def load_cos_sin(cos_sin_ptr, pos, stride_cs_pos, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """cos and sin [HALF_PAD] fp32 of position `pos` from its row of the cos | sin table."""
+    offs_f = tl.arange(0, HALF_PAD)
+    f_mask = offs_f < HALF
+    cs_row = cos_sin_ptr + pos * stride_cs_pos
+    cos = tl.load(cs_row + offs_f, mask=f_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_row + HALF + offs_f, mask=f_mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, cache_ptr, cos, sin, num_heads,
     stride_x_head, stride_c_head,
@@ -39,12 +52,7 @@ def _rotate_heads(
 ):
     offs_h = tl.arange(0, HEADS_PAD)
     offs_f = tl.arange(0, HALF_PAD)
-    if IS_NEOX:
-        dim1 = offs_f
-        dim2 = offs_f + HALF
-    else:
-        dim1 = offs_f * 2
-        dim2 = offs_f * 2 + 1
+    dim1, dim2 = rotary_pair_dims(offs_f, HALF, IS_NEOX)
     mask = (offs_h[:, None] < num_heads) & (offs_f[None, :] < HALF)
     head_off = offs_h[:, None] * stride_x_head
     x1 = tl.load(x_ptr + head_off + dim1[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -87,11 +95,7 @@ def _rope_and_write_kv_kernel(
     slot = tl.load(slot_ptr + tok)
     if slot >= 0:
         pos = tl.load(pos_ptr + tok)
-        offs_f = tl.arange(0, HALF_PAD)
-        f_mask = offs_f < HALF
-        cs_row = cos_sin_ptr + pos * stride_cs_pos
-        cos = tl.load(cs_row + offs_f, mask=f_mask, other=0.0).to(tl.float32)  # [HALF_PAD]
-        sin = tl.load(cs_row + HALF + offs_f, mask=f_mask, other=0.0).to(tl.float32)
+        cos, sin = load_cos_sin(cos_sin_ptr, pos, stride_cs_pos, HALF, HALF_PAD)  # [HALF_PAD]
         page = slot // PAGE_SIZE
         kc_ptr = k_cache_ptr + page * stride_kc_blk + (slot % PAGE_SIZE) * stride_kc_tok
         vc_ptr = v_cache_ptr + page * stride_vc_blk + (slot % PAGE_SIZE) * stride_vc_tok
@@ -133,7 +137,20 @@ def rope_and_write_kv(
     *,
     is_neox: bool,
 ) -> None:
-    """Rotates q and k in place and stores k, v into the cache (see the module docstring)."""
+    """Rotates q and k in place and stores k, v into the cache.
+
+        q            [N, Hq, D]      rotated in place (rows may be strided: a view into qkv)
+        k, v         [N, Hkv, D]     k rotated in place
+        positions    [N] int64
+        cos_sin_cache[max_pos, rot_dim] fp32: cos of the rot_dim/2 frequencies | their sin
+        slot_mapping [N] int64       block_id * block_size + offset; < 0: padding, the token
+                                     is left untouched (no rotation, no write)
+        k/v_cache    [num_blocks, block_size, Hkv, D]
+
+    is_neox: rotate dim i with dim i + rot_dim/2 (neox), else 2i with 2i+1 (GPT-J). Dims >=
+    rot_dim (partial rotary) pass through. Every RoPE scaling type (linear, llama3, yarn...)
+    lives in how the cache table was built; the rotation itself is the same.
+    """
     num_tokens, num_q_heads, head_dim = q.shape  # [N, Hq, D]
     _check_head_tensor(k, "k", num_tokens, head_dim)
     _check_head_tensor(v, "v", num_tokens, head_dim)

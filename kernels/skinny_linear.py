@@ -2,30 +2,16 @@
 
 At decode sizes a linear layer reads every weight once and does almost no arithmetic per byte,
 so its time is the weight bytes over the memory bandwidth. The kernel is laid out for that:
-
 - grid (N / BLOCK_N, SPLIT_K): each program streams [BLOCK_N, BLOCK_K] tiles of W along K (the
-  contiguous dimension, so a warp's loads are coalesced 16-byte vectors) over its K range, and
-  re-reads the few rows of x (a few KB, L2-resident) per tile;
-- the products go through `tl.dot` with the rows padded to 16 (tensor cores, W as the wide
-  operand: [BLOCK_N, BLOCK_K] x [BLOCK_K, 16]), or, for 1-2 rows, through fp32 multiply-adds and
-  a reduction over K (`use_dot=False`), which skips the shared-memory staging of the dot path;
-- split-K when N / BLOCK_N programs would leave SMs idle: each split writes fp32 partial sums to
-  a [SPLIT_K, M, N] buffer; the split that finishes a column tile last (an int32 counter per
-  tile, one set per weight, reset by that split) adds the tile's partials in split order, adds
-  the bias and casts, all in the same launch (`last_reduces`); otherwise a second small kernel
-  does the same. Both sum in a fixed order, so results do not vary run to run (fp32 atomics
-  would).
-
-Every launch has a grid fixed by the shapes and allocates only through torch's caching
-allocator, so it can be captured in a CUDA graph; the tile counters are created on a weight's
-first launch outside a capture (a capture that comes first takes the second-kernel reduction).
-Two streams must not run the same weight's split launches at the same time. Under programmatic
-dependent launch (sm90+, `kernels.arch.pdl_options`) a launch may start while the kernel before
-it finishes: it pulls its first weight tiles into L2, then waits for that kernel before it reads
-x or touches the partials, the tile counters or out, and lets the next kernel launch once its
-weights are streamed; a launch thus ends only after the one before it. Accumulation is
-fp32; output has x's dtype. The model reaches the kernel through `linear`, which takes it only
-for shapes and row counts with a measured win in `TUNED`.
+  contiguous dimension: coalesced 16-byte loads) and re-reads the few rows of x (L2-resident);
+- the products go through `tl.dot` with the rows padded to 16 (W as the wide operand), or, for
+  1-2 rows, through fp32 multiply-adds and a reduction over K (`use_dot=False`), which skips
+  the shared-memory staging of the dot path;
+- split-K when N / BLOCK_N programs would leave SMs idle: each split writes fp32 partial sums;
+  the split that finishes a column tile last adds them in split order, adds the bias and casts
+  (`last_reduces`), or a second small kernel does. Both sum in a fixed order, so results do not
+  vary run to run (fp32 atomics would). Accumulation is fp32; output has x's dtype.
+The model reaches the kernel through `linear`, only for the shapes and row counts of `TUNED`.
 """
 
 from __future__ import annotations
@@ -237,7 +223,18 @@ def skinny_linear(
     bias: torch.Tensor | None = None,  # [N]
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """x @ weight^T (+ bias) -> [M, N] in x's dtype, accumulated in fp32."""
+    """x @ weight^T (+ bias) -> [M, N] in x's dtype, accumulated in fp32.
+
+    The grid is fixed by the shapes and buffers come from torch's caching allocator, so a launch
+    can be captured in a CUDA graph. A weight's tile counters (`last_reduces`, int32 per column
+    tile, reset by the split that reduces) are created on its first launch outside a capture; a
+    capture that comes first takes the second-kernel reduction. Two streams must not run the
+    same weight's split launches at the same time. Under programmatic dependent launch (sm90+,
+    `kernels.arch.pdl_options`) a launch may start while the kernel before it finishes: it pulls
+    its first weight tiles into L2, then waits for that kernel before it reads x or touches the
+    partials, the tile counters or out, and lets the next kernel launch once its weights are
+    streamed; a launch thus ends only after the one before it.
+    """
     assert x.dim() == 2 and weight.dim() == 2, "x [M, K] and weight [N, K]"
     num_rows, k = x.shape
     n = weight.shape[0]
@@ -345,71 +342,71 @@ def skinny_linear_ref(
     return out.to(x.dtype)
 
 
-# Picked configs per (N, K) and row bucket, from `python -m kernels.bench_linear` on an NVIDIA
-# H200 (2026-11-29; docs/perf/linear.md): the kernel's wins over every torch variant, for the
-# Qwen3-8B projections and LM head, and for those of a Qwen3-0.6B-shaped draft model. They
-# hold for GPUs of `TUNED_FAMILY` only; other GPUs keep torch until measured. Shapes not listed
-# take the rule in choose_config.
+# Configs per (N, K) and row bucket where the kernel beats every torch variant on the GPUs of
+# `TUNED_FAMILY` (`hipfire-bench linear`; each entry's timings are in docs/perf/linear.md and
+# docs/perf/linear-qwen3-0.6b.md): the Qwen3-8B projections and LM head, then those of a
+# Qwen3-0.6B-shaped draft model. Other GPU families keep torch; shapes not listed take the rule
+# in choose_config.
 TUNED_FAMILY = "hopper"
 TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
-    (6144, 4096, 1): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 15.19 us vs 15.54 us
-    (6144, 4096, 2): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 15.18 us vs 15.49 us
-    (6144, 4096, 4): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 15.19 us vs 16.17 us
-    (6144, 4096, 8): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 15.34 us vs 15.69 us
-    (6144, 4096, 16): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 15.68 us vs 15.83 us
-    (4096, 4096, 1): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 11.77 us vs 13.34 us
-    (4096, 4096, 2): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 11.67 us vs 13.21 us
-    (4096, 4096, 4): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 11.83 us vs 13.28 us
-    (4096, 4096, 8): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 11.91 us vs 13.2 us
-    (4096, 4096, 16): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 11.86 us vs 13.47 us
-    (24576, 4096, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 48.93 us vs 49.86 us
-    (24576, 4096, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 49.14 us vs 49.83 us
-    (24576, 4096, 4): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 49.17 us vs 50.19 us
-    (24576, 4096, 8): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 49.39 us vs 54.52 us
-    (24576, 4096, 16): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 49.89 us vs 50.66 us
-    (4096, 12288, 1): SkinnyConfig(64, 128, 4, 4, 4, True, True),  # 27.1 us vs 29.85 us
-    (4096, 12288, 2): SkinnyConfig(64, 128, 4, 4, 4, True, True),  # 27.42 us vs 30.06 us
-    (4096, 12288, 4): SkinnyConfig(64, 128, 4, 4, 4, True, True),  # 27.49 us vs 30.57 us
-    (4096, 12288, 8): SkinnyConfig(64, 128, 4, 4, 4, True, True),  # 27.84 us vs 30.59 us
-    (4096, 12288, 16): SkinnyConfig(64, 256, 2, 4, 3, True, False),  # 28.08 us vs 29.22 us
-    (151936, 4096, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 279.63 us vs 297.18 us
-    (151936, 4096, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 280.22 us vs 297.73 us
-    (151936, 4096, 4): SkinnyConfig(128, 256, 1, 8, 3, True, True),  # 281.72 us vs 298.17 us
-    (151936, 4096, 8): SkinnyConfig(128, 256, 1, 8, 3, True, True),  # 283.42 us vs 300.15 us
-    (151936, 4096, 16): SkinnyConfig(128, 256, 1, 8, 3, True, True),  # 286.72 us vs 302.24 us
-    # Qwen3-0.6B-shaped draft model (same GPU kind, 2026-11-30; docs/perf/linear-qwen3-0.6b.md)
-    (4096, 1024, 1): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 5.04 us vs 5.27 us
-    (4096, 1024, 2): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 5.07 us vs 5.25 us
-    (4096, 1024, 4): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 5.03 us vs 5.24 us
-    (4096, 1024, 8): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 5.08 us vs 5.24 us
-    (4096, 1024, 16): SkinnyConfig(64, 256, 1, 4, 3, True, True),  # 5.1 us vs 5.27 us
-    (1024, 2048, 1): SkinnyConfig(64, 256, 4, 4, 3, True, False),  # 5.32 us vs 12.97 us
-    (1024, 2048, 2): SkinnyConfig(64, 256, 4, 4, 3, True, True),  # 5.45 us vs 7.68 us
-    (1024, 2048, 4): SkinnyConfig(64, 256, 4, 4, 3, True, True),  # 5.42 us vs 7.66 us
-    (1024, 2048, 8): SkinnyConfig(64, 256, 4, 4, 3, True, True),  # 5.46 us vs 5.85 us
-    (1024, 2048, 16): SkinnyConfig(64, 256, 4, 4, 3, True, False),  # 5.52 us vs 5.87 us
-    (6144, 1024, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 5.59 us vs 6.0 us
-    (6144, 1024, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 5.63 us vs 5.96 us
-    (6144, 1024, 4): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 5.66 us vs 5.97 us
-    (6144, 1024, 8): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 5.61 us vs 5.9 us
-    (6144, 1024, 16): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 5.6 us vs 5.89 us
-    (1024, 3072, 1): SkinnyConfig(64, 256, 8, 4, 3, True, True),  # 5.97 us vs 7.43 us
-    (1024, 3072, 2): SkinnyConfig(64, 256, 8, 4, 3, True, True),  # 5.98 us vs 7.48 us
-    (1024, 3072, 4): SkinnyConfig(64, 256, 8, 4, 3, True, True),  # 6.09 us vs 7.54 us
-    (1024, 3072, 8): SkinnyConfig(64, 256, 8, 4, 3, True, True),  # 6.06 us vs 7.53 us
-    (1024, 3072, 16): SkinnyConfig(64, 256, 4, 4, 3, True, False),  # 6.24 us vs 7.52 us
-    (151936, 1024, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 71.77 us vs 77.6 us
-    (151936, 1024, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 72.47 us vs 78.14 us
-    (151936, 1024, 4): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 73.82 us vs 79.31 us
-    (151936, 1024, 8): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 75.05 us vs 80.06 us
-    (151936, 1024, 16): SkinnyConfig(64, 128, 1, 4, 4, True, True),  # 76.95 us vs 81.43 us
+    (6144, 4096, 1): SkinnyConfig(64, 256, 1, 4, 3, True, True),
+    (6144, 4096, 2): SkinnyConfig(64, 256, 1, 4, 3, True, True),
+    (6144, 4096, 4): SkinnyConfig(64, 256, 1, 4, 3, True, True),
+    (6144, 4096, 8): SkinnyConfig(64, 256, 1, 4, 3, True, True),
+    (6144, 4096, 16): SkinnyConfig(64, 256, 1, 4, 3, True, True),
+    (4096, 4096, 1): SkinnyConfig(64, 256, 2, 4, 3, True, False),
+    (4096, 4096, 2): SkinnyConfig(64, 256, 2, 4, 3, True, False),
+    (4096, 4096, 4): SkinnyConfig(64, 256, 2, 4, 3, True, False),
+    (4096, 4096, 8): SkinnyConfig(64, 256, 2, 4, 3, True, False),
+    (4096, 4096, 16): SkinnyConfig(64, 256, 2, 4, 3, True, False),
+    (24576, 4096, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (24576, 4096, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (24576, 4096, 4): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (24576, 4096, 8): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (24576, 4096, 16): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (4096, 12288, 1): SkinnyConfig(64, 128, 4, 4, 4, True, True),
+    (4096, 12288, 2): SkinnyConfig(64, 128, 4, 4, 4, True, True),
+    (4096, 12288, 4): SkinnyConfig(64, 128, 4, 4, 4, True, True),
+    (4096, 12288, 8): SkinnyConfig(64, 128, 4, 4, 4, True, True),
+    (4096, 12288, 16): SkinnyConfig(64, 256, 2, 4, 3, True, False),
+    (151936, 4096, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (151936, 4096, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (151936, 4096, 4): SkinnyConfig(128, 256, 1, 8, 3, True, True),
+    (151936, 4096, 8): SkinnyConfig(128, 256, 1, 8, 3, True, True),
+    (151936, 4096, 16): SkinnyConfig(128, 256, 1, 8, 3, True, True),
+    # Qwen3-0.6B-shaped draft model
+    (4096, 1024, 1): SkinnyConfig(64, 256, 1, 4, 3, True, True),
+    (4096, 1024, 2): SkinnyConfig(64, 256, 1, 4, 3, True, True),
+    (4096, 1024, 4): SkinnyConfig(64, 256, 1, 4, 3, True, True),
+    (4096, 1024, 8): SkinnyConfig(64, 256, 1, 4, 3, True, True),
+    (4096, 1024, 16): SkinnyConfig(64, 256, 1, 4, 3, True, True),
+    (1024, 2048, 1): SkinnyConfig(64, 256, 4, 4, 3, True, False),
+    (1024, 2048, 2): SkinnyConfig(64, 256, 4, 4, 3, True, True),
+    (1024, 2048, 4): SkinnyConfig(64, 256, 4, 4, 3, True, True),
+    (1024, 2048, 8): SkinnyConfig(64, 256, 4, 4, 3, True, True),
+    (1024, 2048, 16): SkinnyConfig(64, 256, 4, 4, 3, True, False),
+    (6144, 1024, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (6144, 1024, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (6144, 1024, 4): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (6144, 1024, 8): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (6144, 1024, 16): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (1024, 3072, 1): SkinnyConfig(64, 256, 8, 4, 3, True, True),
+    (1024, 3072, 2): SkinnyConfig(64, 256, 8, 4, 3, True, True),
+    (1024, 3072, 4): SkinnyConfig(64, 256, 8, 4, 3, True, True),
+    (1024, 3072, 8): SkinnyConfig(64, 256, 8, 4, 3, True, True),
+    (1024, 3072, 16): SkinnyConfig(64, 256, 4, 4, 3, True, False),
+    (151936, 1024, 1): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (151936, 1024, 2): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (151936, 1024, 4): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (151936, 1024, 8): SkinnyConfig(64, 128, 1, 4, 4, True, True),
+    (151936, 1024, 16): SkinnyConfig(64, 128, 1, 4, 4, True, True),
 }
 _TUNED_HERE: dict[tuple[str, int | None], bool] = {}
 
 
 def tuned_here(device: torch.device) -> bool:
-    """Whether `TUNED` was measured on this device's GPU family (the interpreter: always, so
-    the dispatch is testable on a CPU)."""
+    """Whether `TUNED` holds for this device's GPU family (the interpreter: always, so the
+    dispatch is testable on a CPU)."""
     key = (device.type, device.index)
     here = _TUNED_HERE.get(key)
     if here is None:
@@ -479,7 +476,7 @@ def linear(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """F.linear, with the skinny kernel where `TUNED` holds a measured winner for the weight's
+    """F.linear, with the skinny kernel where `TUNED` holds a winning config for the weight's
     shape and the row count (contiguous fp16/bf16, 1-16 rows); everything else goes to torch.
     -> [M, N]"""
     num_rows = x.shape[0] if x.dim() == 2 else 0

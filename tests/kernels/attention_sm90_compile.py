@@ -19,13 +19,8 @@ import torch
 import triton
 
 from kernels import arch
-from kernels.attention import (
-    _next_pow2,
-    _verify_attention_kernel,
-    plan_launch,
-    programs_per_sm,
-    seqs_pad,
-)
+from kernels.attention_kernel import _verify_attention_kernel
+from kernels.attention_tiling import next_pow2, plan_launch, programs_per_sm, seqs_pad
 from tests.kernels.sm90 import compile_sm90
 
 _NUM_SMS = 132  # H100 SXM / H200
@@ -92,7 +87,7 @@ def main() -> int:
             max_q_len=rows,
         )
         consts = dict(
-            GROUP=gqa, GROUP_PAD=_next_pow2(gqa), ROWS_TILE=launch.rows_per_tile,
+            GROUP=gqa, GROUP_PAD=next_pow2(gqa), ROWS_TILE=launch.rows_per_tile,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, HEAD_DIM=head_dim, D_PAD=head_dim,
             PAGE_SIZE=16, SPLIT=launch.num_splits > 1, SEQS_PAD=seqs_pad(batch),
             EVEN_D=True, DOT_PRECISION="tf32", LAZY_RESCALE=launch.lazy_rescale,

@@ -17,6 +17,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
     for _name in (
         "kernels.arch",
+        "kernels.attention_kernel",
+        "kernels.attention_tiling",
         "kernels.attention",
         "kernels.rope_kv",
         "kernels.norms",

@@ -13,8 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import arch, bench
+from kernels import arch
 from kernels.attention import choose_rows_per_tile, plan_launch, split_slots
+from loadtests.lab.kernels import attention as bench
+from loadtests.lab.kernels import common
 from tests.kernels.paged import check_attention, ragged_batch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,7 +27,7 @@ H200_SMS = 132
 def h200(monkeypatch):
     """Plans on the CPU as on an H200: the Hopper entry and 132 SMs. The entry is restored."""
 
-    @functools.lru_cache(maxsize=4)  # bench.set_attention_tiles clears it after an edit
+    @functools.lru_cache(maxsize=4)  # common.set_attention_tiles clears it after an edit
     def config_for(device_type: str, index: int):
         return arch.FAMILY_CONFIGS["hopper"], H200_SMS
 
@@ -120,11 +122,11 @@ def test_rules_against_the_plan_without_them(h200, batch, pages, rows, gqa):
     ctx = 16 * pages
     picked = _plan(h200, batch, ctx, rows, gqa)
     entry = dataclasses.asdict(arch.arch_config(h200).attention)
-    bench.set_attention_tiles(h200, min_fill_pct_large=0)
+    common.set_attention_tiles(h200, min_fill_pct_large=0)
     try:
         plain = _plan(h200, batch, ctx, rows, gqa)  # 128-vector tiles wherever they fit
     finally:
-        bench.set_attention_tiles(h200, **entry)
+        common.set_attention_tiles(h200, **entry)
     if picked.num_splits > 1:  # each split worth its launch: 128 tokens when short, else 512
         assert ctx // picked.num_splits >= (128 if ctx < 4096 else 512)
     if plain.block_m <= 64:
@@ -153,11 +155,11 @@ def test_rules_against_the_plan_without_them(h200, batch, pages, rows, gqa):
 def test_long_contexts_plan_as_without_the_short_rules(h200, batch, pages, rows, gqa):
     picked = _plan(h200, batch, 16 * pages, rows, gqa)
     entry = dataclasses.asdict(arch.arch_config(h200).attention)
-    bench.set_attention_tiles(h200, short_ctx_len=0)
+    common.set_attention_tiles(h200, short_ctx_len=0)
     try:
         assert _plan(h200, batch, 16 * pages, rows, gqa) == picked
     finally:
-        bench.set_attention_tiles(h200, **entry)
+        common.set_attention_tiles(h200, **entry)
 
 
 def test_short_context_fall_back_and_splits_compute_the_same_attention(tiles):
@@ -232,10 +234,10 @@ def test_large_split_launch_computes_the_same_attention(tiles):
 
 
 def test_sweep_candidates_share_identical_launches(h200):
-    by_shape = {shape: bench.rule_candidates(h200, shape) for shape in bench.RULE_SHAPES}
+    by_shape = {shape: bench.rule_candidates(h200, shape) for shape in common.RULE_SHAPES}
     for shape, cands in by_shape.items():
         labels = [c["label"] for c in cands]
-        assert labels == [label for label, _ in bench.RULE_VARIANTS] + [bench.PICKED]
+        assert labels == [label for label, _ in common.RULE_VARIANTS] + [common.PICKED]
         first = {}
         for c in cands:
             key = str(sorted(c["launch"].items()))
@@ -269,18 +271,18 @@ def test_sweep_runs_checks_and_reports(tiles, monkeypatch, tmp_path):
     tiles(block_n=16, block_n_large=16, min_split_len=16)
     calls = []
 
-    def fake_time_ms(fn, rep_ms=bench.REP_MS):
+    def fake_time_ms(fn, rep_ms=common.REP_MS):
         fn()
         calls.append(fn)
         return 0.01 * len(calls)
 
     monkeypatch.setattr(bench, "time_ms", fake_time_ms)
     device = torch.device(DEV)
-    pool = bench.KvPool(device, 4 * 48, dtype=torch.float32)
-    variants = bench.RULE_VARIANTS[1:3]  # 128 vec 3 stages, 64 vec 2 stages
+    pool = common.KvPool(device, 4 * 48, dtype=torch.float32)
+    variants = common.RULE_VARIANTS[1:3]  # 128 vec 3 stages, 64 vec 2 stages
     rec = bench.sweep_rule_shape(pool, (2, 48, 16, 8), 1.0, variants)
     labels = [c["label"] for c in rec["candidates"]]
-    assert labels == ["128 vec 3 st", "64 vec 2 st", bench.PICKED]
+    assert labels == ["128 vec 3 st", "64 vec 2 st", common.PICKED]
     distinct = [c for c in rec["candidates"] if c["same_as"] is None]
     assert len(calls) == len(distinct) + 1  # and the pick once more
     for c in rec["candidates"]:
@@ -399,11 +401,11 @@ def test_compile_variants_runs_each_variant_once_and_leaves_the_cache(h200, monk
 def test_schedule_sweep_variants_all_match_the_reference(h200, monkeypatch):
     """`--sweep --variants schedule`: every 128-vector schedule (planned as on an H200) launches
     and stays exact."""
-    monkeypatch.setattr(bench, "time_ms", lambda fn, rep_ms=bench.REP_MS: (fn(), 0.01)[1])
-    pool = bench.KvPool(h200, 4 * 48, dtype=torch.float32)
-    rec = bench.sweep_rule_shape(pool, (2, 48, 16, 8), 1.0, bench.SCHEDULE_VARIANTS)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, rep_ms=common.REP_MS: (fn(), 0.01)[1])
+    pool = common.KvPool(h200, 4 * 48, dtype=torch.float32)
+    rec = bench.sweep_rule_shape(pool, (2, 48, 16, 8), 1.0, common.SCHEDULE_VARIANTS)
     labels = [c["label"] for c in rec["candidates"]]
-    assert labels == [label for label, _ in bench.SCHEDULE_VARIANTS] + [bench.PICKED]
+    assert labels == [label for label, _ in common.SCHEDULE_VARIANTS] + [common.PICKED]
     assert bench.rule_sweep_failures([rec]) == []
     assert {c["launch"]["block_m"] for c in rec["candidates"][:-1]} == {128}
-    assert set(bench.SWEEP_SETS) == {"rules", "schedule", "m32"}
+    assert set(common.SWEEP_SETS) == {"rules", "schedule", "m32"}
