@@ -1,32 +1,13 @@
 """Acceptance of one round: from the target's logits of every row that needs them to the tokens
-each request emits.
-
-Greedy rows: the emitted token is the target's argmax (after penalties). A SPEC group of
-`1 + d` rows fed `[last, x_1 .. x_d]`: draft x_j is accepted while x_j == argmax(row j-1); the
-first mismatch emits the target's argmax there (the correction), a fully accepted group emits the
-bonus argmax of row d. This is exactly what plain greedy decoding would have produced.
-
-Sampled rows (temperature > 0) use exact rejection sampling (Leviathan et al., Chen et al.):
-with p the target's processed distribution at row j-1 and q the draft's at position j,
-    accept x_j with probability min(1, p(x_j) / q(x_j))      (test: u * q(x_j) < p(x_j));
-    on rejection emit a sample of normalise(max(p - q, 0)) and stop;
-    if every draft is accepted, emit a sample of p at row d (the bonus).
-The emitted sequence then has exactly the target's distribution.
-
-A drafter without probabilities (prompt lookup) is a point mass q = 1{x_j}; the rule becomes
-accept with probability p(x_j), on rejection emit a sample of p with x_j removed. It is realised
-with the same numbers plain decoding uses: the target's own draw y_j at row j-1 (the exponential
-race below, keyed by the token's position) is taken, and x_j is accepted iff x_j == y_j. That
-happens with probability p(x_j), and on a mismatch y_j is a draw of p conditioned on not being
-x_j, so the rule holds exactly, and the emitted tokens are the very tokens plain decoding would
-have drawn with that seed: a seeded request's output does not depend on the route.
+each request emits, exactly as plain decoding would produce them (greedy match, or rejection
+sampling with the target's distribution kept; the rules are written next to `launch_accept`).
 
 Two halves, so the host can work while the device runs:
 - `launch_accept` enqueues everything for all rows at once on the device (penalties, argmax,
   seeded draws, the rejection tests) and starts ONE copy of the per-row results (argmax, draw,
   accept flag, residual draw) into pinned host memory;
-- `finish_accept` waits for that copy and walks every group's accepted prefix with array
-  operations (`walk_groups`): no per-request Python.
+- `finish_accept` waits for that copy; `walk_groups` / `round_tokens` walk every group's accepted
+  prefix with array operations (no per-request Python).
 Random numbers come from the counter-based generator keyed by (seed, position of the token,
 purpose): a seeded request gives the same output whatever the batch, and AR rows and the bonus
 draw of a fully accepted group use the same numbers for the same position.
@@ -41,13 +22,13 @@ import torch
 
 from executor import sampling
 from executor.rng import Stream
-from scheduler.plan import TokenLogprob
+from scheduler.plan import TokenLogprob, offsets
 
 # rows of the packed per-row result copied to the host
 _GREEDY, _DRAW, _ACCEPT, _RESIDUAL = range(4)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AcceptLaunch:
     """The device half of a round's acceptance, in flight."""
 
@@ -57,6 +38,15 @@ class AcceptLaunch:
     event: torch.cuda.Event | None  # recorded after the copy; None on a CPU (already done)
     has_draws: bool  # rows _DRAW.. hold data (some row samples)
     has_rejection: bool  # rows _ACCEPT/_RESIDUAL hold data (drafts with a distribution)
+
+    def tokens_dev(self, greedy: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """[num_rows] int64 on the device: the token each of the first `num_rows` rows emits
+        when no draft follows it (its argmax, or its draw where `greedy` [>= num_rows] bool
+        says it samples), without waiting for the copy."""
+        tokens = self.packed_dev[_GREEDY, :num_rows]
+        if self.has_draws:
+            tokens = torch.where(greedy[:num_rows], tokens, self.packed_dev[_DRAW, :num_rows])
+        return tokens
 
 
 def launch_accept(
@@ -69,6 +59,26 @@ def launch_accept(
     draft_probs: torch.Tensor | None,  # [num draft rows, vocab] or None
     draft_rows: torch.Tensor | None,  # [num draft rows] logit rows the drafts' q belong to
 ) -> AcceptLaunch:
+    """Greedy rows: the emitted token is the target's argmax (after penalties). A SPEC group of
+    `1 + d` rows fed `[last, x_1 .. x_d]`: draft x_j is accepted while x_j == argmax(row j-1);
+    the first mismatch emits the target's argmax there (the correction), a fully accepted group
+    emits the bonus argmax of row d: exactly what plain greedy decoding would have produced.
+
+    Sampled rows (temperature > 0) use exact rejection sampling (Leviathan et al., Chen et al.):
+    with p the target's processed distribution at row j-1 and q the draft's at position j,
+        accept x_j with probability min(1, p(x_j) / q(x_j))      (test: u * q(x_j) < p(x_j));
+        on rejection emit a sample of normalise(max(p - q, 0)) and stop;
+        if every draft is accepted, emit a sample of p at row d (the bonus).
+    The emitted sequence then has exactly the target's distribution.
+
+    A drafter without probabilities (prompt lookup) is a point mass q = 1{x_j}; the rule becomes
+    accept with probability p(x_j), on rejection emit a sample of p with x_j removed. It is
+    realised with the numbers plain decoding uses: the target's own draw y_j at row j-1 (the
+    exponential race, keyed by the token's position) is taken, and x_j is accepted iff
+    x_j == y_j. That happens with probability p(x_j), and on a mismatch y_j is a draw of p
+    conditioned on not being x_j, so the rule holds exactly, and the emitted tokens are the
+    very tokens plain decoding would have drawn with that seed: a seeded request's output does
+    not depend on the route."""
     num_rows, vocab = logits.shape
     dev = logits.device
     if st.use_penalties:
@@ -172,6 +182,83 @@ def walk_groups(
     else:
         tokens = np.where(last, tokens_at[row], fed[row])
     return num_accepted, num_emitted, tokens
+
+
+@dataclass(frozen=True)
+class RoundTokens:
+    """What the requests of a round emit, in row order (decode requests, then prefill chunks)."""
+
+    num_accepted: np.ndarray  # [m] accepted drafts
+    num_emitted: np.ndarray  # [m]
+    tokens: np.ndarray  # [sum(num_emitted)] int64, request after request
+
+    @property
+    def starts(self) -> np.ndarray:
+        """[m + 1] where each request's tokens start in `tokens`."""
+        return offsets(self.num_emitted)
+
+
+def round_tokens(
+    host: np.ndarray,  # [4, L] from finish_accept
+    input_ids: np.ndarray,  # [R] the round's input ids, drafts included
+    group_rows: np.ndarray,  # [m + 1] row starts of every request's rows
+    num_draft: np.ndarray,  # [n] drafts of the n decode requests (the first n)
+    greedy: np.ndarray,  # [m] bool: the request decodes greedily
+    has_rejection: bool,
+    forced_accept: np.ndarray | None,  # [n] accepted counts given by a synthetic drafter
+    sample_of: np.ndarray,  # [k] requests (prefill chunks) that sample at their last row
+) -> RoundTokens:
+    """The decode groups' accepted prefixes (`walk_groups`), then the token each sampling
+    prefill chunk draws at its logit row (those follow the decode rows); a partial chunk
+    emits nothing."""
+    n, m = len(num_draft), len(greedy)
+    num_accepted, emitted_dec, tokens_dec = walk_groups(
+        host, input_ids, group_rows[: n + 1], num_draft, greedy[:n], has_rejection, forced_accept
+    )
+    num_emitted = np.zeros(m, dtype=np.int64)
+    num_emitted[:n] = emitted_dec
+    num_emitted[sample_of] = 1
+    accepted = np.zeros(m, dtype=np.int64)
+    accepted[:n] = num_accepted
+    logit_row = int(group_rows[n]) + np.arange(len(sample_of))
+    which = np.where(greedy[sample_of], _GREEDY, _DRAW)
+    sample_tokens = host[which, logit_row] if len(sample_of) else np.zeros(0, np.int64)
+    tokens = np.concatenate([tokens_dec, sample_tokens]).astype(np.int64)
+    return RoundTokens(accepted, num_emitted, tokens)
+
+
+def emitted_logprobs(
+    logits: torch.Tensor,  # [L, V] penalised (AcceptLaunch.logits)
+    emitted: RoundTokens,
+    ks: np.ndarray,  # [m] top alternatives each request asks for, -1: no logprobs
+    group_rows: np.ndarray,  # [m + 1]
+    num_decode: int,
+    sample_of: np.ndarray,  # [k] as for round_tokens
+) -> dict[int, tuple[TokenLogprob, ...]]:
+    """Per request that asks (by its index in row order), the logprobs of its emitted tokens."""
+    num_emitted = emitted.num_emitted
+    asking = np.flatnonzero((ks >= 0) & (num_emitted > 0))
+    if not len(asking):
+        return {}
+    starts = emitted.starts
+    num_dec_rows = int(group_rows[num_decode])
+    rows, ids, kk, owners = [], [], [], []
+    for i in asking.tolist():
+        first = (
+            int(group_rows[i])
+            if i < num_decode
+            else num_dec_rows + int(np.flatnonzero(sample_of == i)[0])
+        )
+        for k in range(int(num_emitted[i])):
+            rows.append(first + k)
+            ids.append(int(emitted.tokens[starts[i] + k]))
+            kk.append(int(ks[i]))
+            owners.append(i)
+    lps = logprobs_of(logits, rows, ids, kk)
+    out: dict[int, list] = {}
+    for i, lp in zip(owners, lps):
+        out.setdefault(i, []).append(lp)
+    return {i: tuple(v) for i, v in out.items()}
 
 
 def logprobs_of(

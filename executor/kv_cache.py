@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from executor.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from executor.model import Model
 
 _UNITS = {
     "": 1,
@@ -60,6 +64,17 @@ class KVCache:
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         return cls(k=k, v=v, num_blocks=num_blocks, block_size=block_size)
+
+    @classmethod
+    def for_model(cls, model: Model, *, num_blocks: int, block_size: int) -> KVCache:
+        """A cache for `model`'s layers in its dtype, on its device."""
+        return cls.allocate(
+            model.config,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=model.dtype,
+            device=model.device,
+        )
 
     @staticmethod
     def blocks_for_budget(

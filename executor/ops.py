@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 # Linear layers through `ops.linear` (kernels.skinny_linear: Triton at 1-16 rows where its table
-# holds a measured win over cuBLAS, torch otherwise) instead of torch's F.linear directly. The
-# default follows the H200 benchmark (python -m kernels.bench_linear); HIPFIRE_SKINNY_LINEAR=1/0
+# holds a measured win over cuBLAS, torch otherwise) instead of torch's F.linear directly: on by
+# default, as `hipfire-bench linear` finds (docs/perf/linear.md); HIPFIRE_SKINNY_LINEAR=1/0
 # overrides it.
 SKINNY_LINEAR_DEFAULT = True
 
@@ -48,26 +48,24 @@ def _load(name: str, attr: str):
     return getattr(importlib.import_module(f"kernels.{name}"), attr)
 
 
+# (OpSet field, kernels module, kernel); each kernel's pure-torch reference is `<kernel>_ref`
+_KERNELS = (
+    ("rms_norm", "norms", "rms_norm"),
+    ("qk_norm_rope_and_write_kv", "fused_qk", "qk_norm_rope_and_write_kv"),
+    ("silu_and_mul", "norms", "silu_and_mul"),
+    ("verify_attention", "attention", "verify_attention"),
+    ("argmax_rows", "argmax", "argmax_rows"),
+)
+
+
 def reference_ops() -> OpSet:
-    return OpSet(
-        rms_norm=_load("norms", "rms_norm_ref"),
-        qk_norm_rope_and_write_kv=_load("fused_qk", "qk_norm_rope_and_write_kv_ref"),
-        silu_and_mul=_load("norms", "silu_and_mul_ref"),
-        verify_attention=_load("attention", "verify_attention_ref"),
-        argmax_rows=_load("argmax", "argmax_rows_ref"),
-        linear=torch.nn.functional.linear,
-    )
+    ops = {field: _load(module, f"{name}_ref") for field, module, name in _KERNELS}
+    return OpSet(**ops, linear=torch.nn.functional.linear)
 
 
 def triton_ops() -> OpSet:
-    return OpSet(
-        rms_norm=_load("norms", "rms_norm"),
-        qk_norm_rope_and_write_kv=_load("fused_qk", "qk_norm_rope_and_write_kv"),
-        silu_and_mul=_load("norms", "silu_and_mul"),
-        verify_attention=_load("attention", "verify_attention"),
-        argmax_rows=_load("argmax", "argmax_rows"),
-        linear=_load("skinny_linear", "linear"),
-    )
+    ops = {field: _load(module, name) for field, module, name in _KERNELS}
+    return OpSet(**ops, linear=_load("skinny_linear", "linear"))
 
 
 def select_ops(device: torch.device, backend: str = "auto") -> OpSet:

@@ -8,14 +8,13 @@ import torch
 from executor.model import LayerWeights, Model, ModelWeights
 from executor.model_config import ModelConfig, RopeConfig
 
-PRESETS: dict[str, ModelConfig] = {
-    "qwen3-8b": ModelConfig(
+
+def _qwen3(**shape) -> ModelConfig:
+    """A Qwen3-architecture config: Qwen3's own vocabulary, head size, norms and RoPE base
+    unless `shape` says otherwise."""
+    defaults = dict(
         arch="Qwen3ForCausalLM",
         vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_layers=36,
-        num_q_heads=32,
         num_kv_heads=8,
         head_dim=128,
         rms_norm_eps=1e-6,
@@ -26,28 +25,21 @@ PRESETS: dict[str, ModelConfig] = {
         rope=RopeConfig(theta=1000000.0),
         torch_dtype="bfloat16",
         eos_token_ids=(151645,),
-    ),
-    "qwen3-0.6b": ModelConfig(
-        arch="Qwen3ForCausalLM",
-        vocab_size=151936,
+    )
+    return ModelConfig(**{**defaults, **shape})
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3-8b": _qwen3(hidden_size=4096, intermediate_size=12288, num_layers=36, num_q_heads=32),
+    "qwen3-0.6b": _qwen3(
         hidden_size=1024,
         intermediate_size=3072,
         num_layers=28,
         num_q_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        max_position=40960,
         tie_word_embeddings=True,
-        qkv_bias=False,
-        qk_norm=True,
-        rope=RopeConfig(theta=1000000.0),
-        torch_dtype="bfloat16",
-        eos_token_ids=(151645,),
     ),
     # Same architecture at toy size: CPU tests of the benchmark harnesses.
-    "tiny": ModelConfig(
-        arch="Qwen3ForCausalLM",
+    "tiny": _qwen3(
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
@@ -55,11 +47,7 @@ PRESETS: dict[str, ModelConfig] = {
         num_q_heads=4,
         num_kv_heads=2,
         head_dim=16,
-        rms_norm_eps=1e-6,
         max_position=4096,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        qk_norm=True,
         rope=RopeConfig(theta=10000.0),
         torch_dtype="float32",
         eos_token_ids=(0,),

@@ -10,14 +10,6 @@ from executor import sampling
 from scheduler.plan import SamplingSpec
 
 
-def _has_penalties(spec: SamplingSpec) -> bool:
-    return (
-        spec.presence_penalty != 0.0
-        or spec.frequency_penalty != 0.0
-        or spec.repetition_penalty != 1.0
-    )
-
-
 class RowSampler:
     def __init__(self, vocab_size: int, device: torch.device, base_seed: int, max_slots: int):
         self.vocab_size = vocab_size
@@ -41,7 +33,7 @@ class RowSampler:
     def setup_slot(
         self, slot: int, context: list[int], prompt_len: int, spec: SamplingSpec
     ) -> None:
-        if not _has_penalties(spec):
+        if not sampling.has_penalties(spec):
             self.penalised.discard(slot)
             return
         counts, mask = self._tables()

@@ -1,25 +1,17 @@
 """Batched sampling on the device: penalties, temperature / top-k / top-p / min-p, seeded draws
-and logprobs for all rows of a round at once.
+and logprobs for all rows of a round at once. Nothing here reads a tensor back to the host, so a
+round costs no host-device synchronisation until the caller copies the sampled ids out.
 
-The host builds one `SamplingTensors` per round from the rows' `SamplingSpec`s (two uploads);
-nothing below reads a tensor back, so a round costs no host-device synchronisation until the
-caller copies the sampled ids out.
+Per row, in this order (the same for AR rows, spec rows and rejection sampling):
+1. `apply_penalties` on the raw logits (repetition, then frequency and presence);
+2. greedy rows (temperature 0) take the argmax of the penalised logits;
+3. `process_logits`: temperature, top-k, top-p (after top-k), min-p, softmax;
+4. `sample_from_probs`: an exponential race on the counter-based generator of `executor/rng.py`.
+`compute_logprobs` reports the distribution after penalties, before temperature and filtering.
 
-Order of operations (the same for AR rows, spec rows and rejection sampling):
-1. `apply_penalties` on the raw logits (vLLM / OpenAI semantics):
-   repetition: a token seen in the prompt or the output has its logit divided by r when
-   positive and multiplied by r when negative; then frequency and presence:
-   `logit -= frequency * count_in_output + presence * (count_in_output > 0)`.
-2. Greedy rows (temperature 0) take the argmax of the penalised logits.
-3. `process_logits`: divide by the temperature, keep the top-k logits, keep the smallest set of
-   tokens whose probability reaches top-p (computed after top-k), drop tokens whose probability
-   is below min-p times the largest one, softmax. Greedy rows become a one-hot of their argmax.
-4. `sample_from_probs`: the exponential race `argmax_v p_v / E_v` with E_v ~ Exp(1) from the
-   counter-based generator in `executor/rng.py`, which picks v with probability p_v / sum(p).
-
-Logprobs (`compute_logprobs`) are those of the model's distribution after penalties, before
-temperature and filtering: the quantity OpenAI's API reports, comparable across requests with
-different sampling settings.
+Per-row parameters travel in one packed layout (`FLOAT_PARAMS`, `INT_PARAMS`): the executor's
+slot table holds it, `PackedSampling` gathers a batch's rows in it and
+`SamplingTensors.from_packed` reads their upload.
 """
 
 from __future__ import annotations
@@ -28,6 +20,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from executor import rng
@@ -36,13 +29,38 @@ from scheduler.plan import SamplingSpec
 
 _NEG_INF = float("-inf")
 
+# The packed layout: one float32 row per name of FLOAT_PARAMS and one int64 row per name of
+# INT_PARAMS, in these orders; the names are the fields of `SamplingTensors` they become.
+FLOAT_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+INT_PARAMS = ("top_k", "seed", "step")
 
-def sampling_row(
-    spec: SamplingSpec, req_id: int, base_seed: int, vocab_size: int
-) -> tuple[tuple[float, ...], int, int]:
-    """One request's sampling parameters as the rows of `SamplingTensors` hold them:
-    (temperature, top_p, min_p, presence, frequency, repetition), top_k (the vocab size when
-    off) and the int64 seed (derived from `base_seed` and the request id when it has none)."""
+
+def has_penalties(spec: SamplingSpec) -> bool:
+    """Whether the request's logits are penalised (its output counts must then be kept)."""
+    return (
+        spec.presence_penalty != 0.0
+        or spec.frequency_penalty != 0.0
+        or spec.repetition_penalty != 1.0
+    )
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One request's sampling parameters as a row of the packed layout holds them."""
+
+    floats: tuple[float, ...]  # in FLOAT_PARAMS order, the temperature clamped at 0
+    top_k: int  # the vocab size when off
+    seed: int  # int64: the request's own seed, or one derived from the base seed and its req_id
+
+
+def sampling_row(spec: SamplingSpec, req_id: int, base_seed: int, vocab_size: int) -> SamplingRow:
     floats = (
         max(spec.temperature, 0.0),
         spec.top_p,
@@ -53,7 +71,37 @@ def sampling_row(
     )
     top_k = spec.top_k if 0 < spec.top_k < vocab_size else vocab_size
     seed = rng.derive_seed(base_seed, req_id) if spec.seed is None else spec.seed
-    return floats, top_k, rng.seed_to_int64(seed)
+    return SamplingRow(floats, top_k, rng.seed_to_int64(seed))
+
+
+@dataclass(frozen=True)
+class PackedSampling:
+    """The sampling parameters of N rows on the host, in the packed layout."""
+
+    floats: np.ndarray  # [len(FLOAT_PARAMS), N] float32; greedy rows hold temperature 1.0
+    ints: np.ndarray  # [len(INT_PARAMS), N] int64
+    greedy: np.ndarray  # [N] bool
+    penalised: np.ndarray  # [N] bool
+
+    @classmethod
+    def pack(cls, floats, greedy, top_k, seed, step, penalised) -> PackedSampling:
+        """floats [len(FLOAT_PARAMS), N] (the temperature row as the requests give it), the
+        others [N]. Greedy rows divide by 1.0 so that the division stays finite."""
+        greedy = np.asarray(greedy, dtype=bool)
+        floats = np.array(floats, dtype=np.float32).reshape(len(FLOAT_PARAMS), len(greedy))
+        floats[0] = np.where(greedy, np.float32(1.0), floats[0])
+        ints = np.stack([np.asarray(x, dtype=np.int64).reshape(-1) for x in (top_k, seed, step)])
+        return cls(floats, ints, greedy, np.asarray(penalised, dtype=bool))
+
+    @property
+    def sampled_rows(self) -> np.ndarray:
+        """[M] int64 rows with temperature > 0."""
+        return np.flatnonzero(~self.greedy)
+
+    @property
+    def mixed(self) -> bool:
+        """Some rows are greedy and some sample."""
+        return 0 < len(self.sampled_rows) < len(self.greedy)
 
 
 @dataclass(frozen=True)
@@ -82,6 +130,35 @@ class SamplingTensors:
     max_top_k: int  # largest top-k of any row that uses one
 
     @classmethod
+    def from_packed(
+        cls,
+        packed: PackedSampling,  # the rows on the host
+        float_rows: torch.Tensor,  # [len(FLOAT_PARAMS), N] float32: packed.floats on the device
+        int_rows: torch.Tensor,  # [len(INT_PARAMS), N] int64: packed.ints on the device
+        greedy: torch.Tensor,  # [N] bool: packed.greedy on the device
+        sampled_rows: torch.Tensor | None,  # [M] packed.sampled_rows on the device, when mixed
+        vocab_size: int,
+    ) -> SamplingTensors:
+        """The fields as views of the uploaded rows; the batch facts from the host copy."""
+        sampled = ~packed.greedy  # [N]
+        top_k = packed.ints[0]
+        top_ks = top_k[sampled & (top_k < vocab_size)]  # rows that sample with a top-k
+        return cls(
+            **dict(zip(FLOAT_PARAMS, float_rows)),
+            **dict(zip(INT_PARAMS, int_rows)),
+            greedy=greedy,
+            sampled_rows=sampled_rows,
+            num_rows=len(sampled),
+            all_greedy=not sampled.any(),
+            any_greedy=bool(packed.greedy.any()),
+            use_top_k=len(top_ks) > 0,
+            use_top_p=bool((packed.floats[1, sampled] < 1.0).any()),
+            use_min_p=bool((packed.floats[2, sampled] > 0.0).any()),
+            use_penalties=bool(packed.penalised.any()),
+            max_top_k=int(top_ks.max(initial=0)),
+        )
+
+    @classmethod
     def build(
         cls,
         specs: Sequence[SamplingSpec],
@@ -100,51 +177,27 @@ class SamplingTensors:
         num_rows = len(specs)
         if not len(req_ids) == len(steps) == num_rows:
             raise ValueError("specs, req_ids and steps need one entry per row")
-        floats = [[0.0] * num_rows for _ in range(6)]
-        ints = [[0] * num_rows for _ in range(3)]
-        for i, (spec, req_id, step) in enumerate(zip(specs, req_ids, steps)):
-            row, top_k, seed = sampling_row(spec, req_id, base_seed, vocab_size)
-            for f, value in enumerate(row):
-                floats[f][i] = value
-            ints[0][i], ints[1][i], ints[2][i] = top_k, seed, step
-        # Two uploads per round; the fields are views into them.
-        float_rows = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True)
-        int_rows = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True)
-        greedy_rows = float_rows[0] <= 0.0  # [N]
-        greedy = [s.greedy for s in specs]
-        sampled = [s for s in specs if not s.greedy]
-        top_ks = [s.top_k for s in sampled if 0 < s.top_k < vocab_size]
-        return cls(
-            temperature=torch.where(greedy_rows, 1.0, float_rows[0]),
-            top_p=float_rows[1],
-            min_p=float_rows[2],
-            presence_penalty=float_rows[3],
-            frequency_penalty=float_rows[4],
-            repetition_penalty=float_rows[5],
-            top_k=int_rows[0],
-            seed=int_rows[1],
-            step=int_rows[2],
-            greedy=greedy_rows,
-            sampled_rows=(
-                torch.tensor([i for i, g in enumerate(greedy) if not g], dtype=torch.int64).to(
-                    device, non_blocking=True
-                )
-                if any(greedy) and not all(greedy)
-                else None
-            ),
-            num_rows=num_rows,
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            use_top_k=bool(top_ks),
-            use_top_p=any(s.top_p < 1.0 for s in sampled),
-            use_min_p=any(s.min_p > 0.0 for s in sampled),
-            use_penalties=any(
-                s.presence_penalty != 0.0
-                or s.frequency_penalty != 0.0
-                or s.repetition_penalty != 1.0
-                for s in specs
-            ),
-            max_top_k=max(top_ks, default=0),
+        rows = [sampling_row(s, r, base_seed, vocab_size) for s, r in zip(specs, req_ids)]
+        floats = np.array([r.floats for r in rows], dtype=np.float32)
+        packed = PackedSampling.pack(
+            floats.reshape(num_rows, len(FLOAT_PARAMS)).T,
+            [s.greedy for s in specs],
+            [r.top_k for r in rows],
+            [r.seed for r in rows],
+            list(steps),
+            [has_penalties(s) for s in specs],
+        )
+
+        def upload(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        return cls.from_packed(
+            packed,
+            upload(packed.floats),
+            upload(packed.ints),
+            upload(packed.greedy),
+            upload(packed.sampled_rows) if packed.mixed else None,
+            vocab_size,
         )
 
     def select(self, rows: torch.Tensor) -> SamplingTensors:
@@ -159,18 +212,7 @@ class SamplingTensors:
         )
 
 
-_ROW_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "top_k",
-    "seed",
-    "step",
-    "greedy",
-)
+_ROW_FIELDS = (*FLOAT_PARAMS, *INT_PARAMS, "greedy")
 
 
 # -- penalties ---------------------------------------------------------------------------------
@@ -184,7 +226,11 @@ def apply_penalties(
 ) -> torch.Tensor:
     """logits [N, V] float32, output_counts [N, V] int (occurrences of each token in the row's
     output so far), prompt_mask [N, V] bool -> penalised logits [N, V] float32 (a new tensor;
-    the input itself when no row has a penalty)."""
+    the input itself when no row has a penalty).
+
+    vLLM / OpenAI semantics: a token seen in the prompt or the output has its logit divided by
+    the repetition penalty r when positive and multiplied by r when negative; then
+    `logit -= frequency * count_in_output + presence * (count_in_output > 0)`."""
     if not st.use_penalties:
         return logits
     counts = output_counts.to(logits.dtype)  # [N, V]
@@ -241,7 +287,9 @@ def gather_row_counts(
 
 
 def _filter_logits(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Top-k, then top-p, then min-p, as -inf masks on temperature-scaled logits [N, V]."""
+    """Top-k, then top-p, then min-p, as -inf masks on temperature-scaled logits [N, V]: keep
+    the k largest logits, then the smallest set of tokens whose probability reaches top-p, then
+    drop tokens whose probability is below min-p times the largest one."""
     vocab = scaled.shape[-1]
     if st.use_top_k:
         k = min(st.max_top_k, vocab)
@@ -323,7 +371,8 @@ def compute_logprobs(
     top_ids [N, k] int64, top_logprobs [N, k] float32), best first.
 
     These are log-probabilities of the model's distribution after penalties, before temperature,
-    top-k, top-p and min-p (see the module docstring). k = 0 gives empty [N, 0] tensors."""
+    top-k, top-p and min-p: the quantity OpenAI's API reports, comparable across requests with
+    different sampling settings. k = 0 gives empty [N, 0] tensors."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     chosen = logprobs.gather(1, token_ids.long()[:, None])[:, 0]  # [N]
     if k <= 0:

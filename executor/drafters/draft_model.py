@@ -8,50 +8,23 @@ One round of drafting for all speculating requests together:
     step j   one forward of one row per request that still drafts: x_j at its position, yielding
              x_{j+1} (j = 1 .. num_draft - 1).
 
-The drafter keeps its own paged KV cache, indexed by the *target's* block ids: every position the
-drafter writes in a round (the catch-up positions, then `len(context) - 1 + j` for j < num_draft)
-lies below `num_computed + 1 + num_draft`, which the scheduler has already allocated blocks for, and
-the valid draft KV after the round (see `commit`) never reaches past the target's committed length,
-whose blocks the scheduler keeps. So no second allocator is needed; the cache only doubles the
-bytes per block (`KVCache.blocks_for_budget` counts both models).
-
-Draft probabilities: a greedy request drafts the argmax. A sampled request draws x_j from
-`q = softmax(draft_logits / temperature)` at the request's temperature (no top-k/top-p: rejection
-sampling is exact for any q the drafts were really drawn from, so q only has to be honest) and
-`DraftBatch.probs` keeps q for every draft row; greedy rows there hold the point mass of their
-argmax. The draft model must share the target's vocabulary (the rows are indexed by token id).
-
-Graphs: a small model's step is bound by kernel launches when run eagerly (a 28-layer 0.6B model
-took 12 to 17 ms per step at any batch on an H200, so a depth-8 chain cost more than the target's
-round). On a GPU, step 0 replays a captured decode graph of the draft model (`executor/graphs.py`,
-keyed by row bucket and block-table width) in passes of at most `GRAPH_MAX_ROWS_PER_SEQ` rows per
-request, so a catch-up of a few AR rounds' tokens stays graphed (a catch-up longer than
-`MAX_CATCHUP_PASSES` passes runs as one eager forward), and every chain step replays one. With
-graphs a step is bound by the device, not the host: on an H200 at 1024 tokens of context a
-0.6B-shaped model's step is about 1.2 ms of kernels at one request (some 300 kernels of 1.5 to
-12 us, latency-bound) and at 64 requests mostly attention reading the draft KV (about 70 us a
-layer). Capturing the whole chain as one graph measured no faster (per proposal, 1 to 64
-requests: from 0.8% slower to 5.7% faster; a GPU test at 8 requests: 11% slower), so steps
-replay one by one.
-
-Wide forwards (a prefill chunk the drafter follows, a catch-up longer than the step-0 passes take)
-replay graphs too: a second graph set without logits (`DecodeGraphs(logits=False)`), keyed by the
-row buckets of `WIDE_BUCKETS` and the block-table width, whose attention is planned for sequences
-of `WIDE_ROWS_HINT` rows (its tiles cover any ragged mix). Eagerly such a forward cost the host
-14 to 21 ms of launches for 1.8 ms of device work at 256 rows (H200, 0.6B-shaped model); replayed,
-it costs its device time. The picked rows' logits are computed after the replay, eagerly.
+The drafter keeps its own paged KV cache under the *target's* block ids (`DraftModelDrafter`
+says why that is safe). On a GPU every step replays a captured graph (`executor/graphs.py`):
+eagerly, a small model's step is bound by its kernel launches, not by the device. Wide forwards
+(a prefill chunk the drafter follows, a long catch-up) replay a second graph set that returns
+hidden states (`WIDE_BUCKETS`); the picked rows' logits are computed after the replay.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from executor.device_clock import DeviceClock
 from executor.drafters.base import DraftBatch, DraftRequest
+from executor.drafters.draft_chain import ChainPlan, drafts_resolver, plan_chain
 from executor.graphs import DEFAULT_BUCKETS, DecodeGraphs, bucket_for
 from executor.kv_cache import KVCache
 from executor.model import AttnMetadata, Model
@@ -65,8 +38,8 @@ MAX_CATCHUP_PASSES = 8
 # With wide graphs, a catch-up needing more step-0 passes than this is one wide replay instead
 # (a pass replays the whole draft model with logits for every row).
 WIDE_MAX_PASSES = 1
-# Row buckets of the wide (hidden-state) graphs; a wide forward of more rows runs eagerly. Steps of
-# 256 near the top: a pass pads only to its bucket, and a whole prompt's catch-up lands there.
+# Row buckets of the wide (hidden-state) graphs, a wide forward of more rows runs eagerly; steps
+# of 256 near the top, where a whole prompt's catch-up lands, so a pass pads little.
 WIDE_BUCKETS = (32, 64, 128, 192, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
 # Rows per sequence the wide graphs' attention tiles are planned for (any mix runs correctly).
 WIDE_ROWS_HINT = 64
@@ -92,6 +65,19 @@ def wide_passes(lens: Sequence[int], cap: int) -> list[list[tuple[int, int, int]
 
 
 class DraftModelDrafter:
+    """Drafts with `model`; its KV lives in a cache of its own indexed by the target's block
+    ids. Every position the drafter writes in a round (the catch-up positions, then
+    `len(context) - 1 + j` for j < num_draft) lies below `num_computed + 1 + num_draft`, which
+    the scheduler has already allocated blocks for, and the valid draft KV after the round (see
+    `commit`) never reaches past the target's committed length, whose blocks the scheduler
+    keeps. So no second allocator is needed; the cache only doubles the bytes per block
+    (`KVCache.blocks_for_budget` counts both models). The draft model must share the target's
+    vocabulary: draft distributions are indexed by token id.
+
+    Step-0 passes take at most `GRAPH_MAX_ROWS_PER_SEQ` rows per request, so a catch-up of a few
+    AR rounds' tokens stays graphed; chain steps replay one graph each (capturing the whole
+    chain as one graph is no faster)."""
+
     name = "draft-model"
     has_probs = True
 
@@ -127,13 +113,7 @@ class DraftModelDrafter:
         self.block_size = block_size
         # drafting writes positions below this (the draft model's rope table may be shorter)
         self.max_position = min(max_model_len, model.max_position)
-        self.kv = KVCache.allocate(
-            model.config,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            dtype=model.dtype,
-            device=model.device,
-        )
+        self.kv = KVCache.for_model(model, num_blocks=num_blocks, block_size=block_size)
         # Per slot: positions [0, kv_len) hold valid draft KV for the slot's committed context.
         self.kv_len = np.zeros(max_slots, dtype=np.int64)  # [max_slots]
         # The executor's host block table [max_slots, max_blocks_per_seq] int32, shared by
@@ -231,10 +211,9 @@ class DraftModelDrafter:
         before. Returns the rows computed.
 
         Why: the first speculating round of a request otherwise catches the drafter up on its
-        whole prompt in one eager forward of its own, bound by the host (on an H200 a 256-row
-        catch-up of a 0.6B model is 1.8 ms of device work behind 14-21 ms of launches). Issued
-        after the target's eager prefill forward of the same round, the launches overlap that
-        forward's device time instead."""
+        whole prompt in one eager forward of its own, bound by the host (its launches take many
+        times its device work). Issued after the target's eager prefill forward of the same
+        round, the launches overlap that forward's device time instead."""
         if self.block_tables is None:
             raise RuntimeError("DraftModelDrafter needs the executor's block table (bind it)")
         keep = [
@@ -278,113 +257,56 @@ class DraftModelDrafter:
         if temps.any():
             probs = torch.zeros(int(draft_offsets[-1]), vocab, dtype=torch.float32, device=dev)
         draft_tokens = torch.zeros(num_reqs, max_draft, dtype=torch.int64, device=dev)
-
-        # Host plan of the whole chain, uploaded once: no step below waits for the device.
-        # Entries of step j (j = 0 .. max_draft-1) are the requests that still draft there.
-        active = np.flatnonzero(num_drafts > 0)  # [n0] request indices, step 0
-        ctx_lens = np.array([len(requests[i].context) for i in active], dtype=np.int64)
-        slots = np.array([requests[i].slot for i in active], dtype=np.int64)
-        too_far = ctx_lens + num_drafts[active] - 1 > self.max_position
-        if too_far.any():
-            k = int(np.flatnonzero(too_far)[0])
-            r = requests[int(active[k])]
-            raise ValueError(
-                f"slot {r.slot}: drafting {r.num_draft} tokens after {len(r.context)} would write "
-                f"position {len(r.context) + r.num_draft - 2}; the drafter covers "
-                f"{self.max_position}"
-            )
-        steps = [np.arange(len(active))]  # per step: positions in `active` still drafting
-        steps += [np.flatnonzero(num_drafts[active] > j) for j in range(1, max_draft)]
-        step_off = np.concatenate([[0], np.cumsum([len(x) for x in steps])])  # [max_draft + 1]
-        local = np.concatenate(steps)  # [E] index into `active` per entry
-        width = -(-int((ctx_lens + num_drafts[active]).max()) // self.block_size)
-        # E = sum(num_draft): every draft is one entry of the step that makes it, so the drafts'
-        # flat index in request order (request * max_draft + j) fits the same E columns
-        draft_owner = np.repeat(np.arange(num_reqs), num_drafts)  # [E] request order
-        flat_index = draft_owner * max_draft + np.arange(len(local)) - draft_offsets[draft_owner]
-        plan_i64 = np.stack(
-            [
-                active[local],  # request index
-                local,  # row of the uploaded block-table rows
-                ctx_lens[local] - 1,  # position of the last committed token
-                draft_offsets[active[local]],  # first probs row of the request
-                flat_index,  # (request order, not step order) draft_tokens' flat index
-            ]
-        )  # [5, E]
-        up_i64 = torch.from_numpy(plan_i64).to(dev, non_blocking=True)
-        up_temps = torch.from_numpy(temps[active[local]]).to(dev, non_blocking=True)  # [E]
-        up_tables = torch.from_numpy(np.ascontiguousarray(self.block_tables[slots, :width])).to(
-            dev, non_blocking=True
-        )  # [n0, width]
-
-        def entries(j: int):
-            sl = slice(int(step_off[j]), int(step_off[j + 1]))
-            return up_i64[0, sl], up_i64[1, sl], up_i64[2, sl], up_i64[3, sl], up_temps[sl]
+        chain = plan_chain(
+            requests,
+            num_drafts,
+            temps,
+            draft_offsets,
+            block_tables=self.block_tables,
+            block_size=self.block_size,
+            max_position=self.max_position,
+            device=dev,
+        )
 
         # step 0: catch-up rows and the last committed token
-        num_catchup_rows = self._step0(
-            requests, active, ctx_lens, slots, entries(0), draft_tokens, probs
-        )
+        num_catchup_rows = self._step0(requests, chain, draft_tokens, probs)
         clock.mark()
-        for slot, ctx_len in zip(slots.tolist(), ctx_lens.tolist()):
+        for slot, ctx_len in zip(chain.slots.tolist(), chain.ctx_lens.tolist()):
             # the whole context now has draft KV; the drafts' KV becomes valid in `commit`
             self.kv_len[slot] = ctx_len
 
-        self._chain_steps(max_draft, steps, entries, up_tables, draft_tokens, probs)
+        self._chain_steps(max_draft, chain, draft_tokens, probs)
 
         clock.mark()
-        tokens_dev = draft_tokens.view(-1).index_select(0, up_i64[4])  # [E] request order
-        done = None
-        if tokens_dev.is_cuda:  # into pinned memory, without waiting
-            tokens_host = torch.empty(len(local), dtype=torch.int64, pin_memory=True)
-            tokens_host.copy_(tokens_dev, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            tokens_host = tokens_dev
-
-        def resolve(batch: DraftBatch) -> None:
-            t_wait = time.perf_counter()
-            if done is not None:
-                done.synchronize()  # the drafts' one device->host copy
-            flat = tokens_host.tolist()
-            wait_ms = (time.perf_counter() - t_wait) * 1e3
-            # Catch-up time: what step 0 cost beyond a plain chain step (the mean of steps
-            # 1..). A single draft has no plain step to compare with: then the catch-up rows'
-            # share of step 0 stands in.
-            catchup_ms = 0.0
-            if num_catchup_rows:
-                first_ms, chain_ms = clock.intervals_ms()
-                if max_draft > 1:
-                    step_ms = chain_ms / (max_draft - 1)
-                    catchup_ms = max(first_ms - step_ms, 0.0)
-                else:
-                    catchup_ms = first_ms * num_catchup_rows / (num_catchup_rows + len(active))
-            batch.tokens = [flat[a:b] for a, b in itertools.pairwise(draft_offsets.tolist())]
-            batch.catchup_ms = catchup_ms
-            # wait_ms: host time waiting for the device at the drafts' copy (host-bound
-            # drafting waits little, device-bound drafting much; a deferred batch resolved
-            # after the round's forward hardly at all)
-            batch.extra = {"num_catchup_rows": num_catchup_rows, "wait_ms": wait_ms}
-
+        tokens_dev = draft_tokens.view(-1).index_select(0, chain.flat_index)  # [E] request order
+        resolve = drafts_resolver(
+            tokens_dev, clock, num_catchup_rows, max_draft, len(chain.active), draft_offsets
+        )
         batch = DraftBatch(tokens=None, probs=probs, tokens_dev=tokens_dev, resolver=resolve)
         if not defer:
             batch.resolve()
         return batch
 
-    def _step0(self, requests, active, ctx_lens, slots, entries0, draft_tokens, probs) -> int:
+    def _step0(
+        self,
+        requests: list[DraftRequest],
+        chain: ChainPlan,
+        draft_tokens: torch.Tensor,  # [num_reqs, max_draft] out
+        probs: torch.Tensor | None,  # [sum(num_draft), vocab] out
+    ) -> int:
         """Step 0: per request the context rows the drafter has no KV for (at least the last
         committed token), the last row's logits picking draft x_1. One ragged forward, or with
         graphs passes of `catchup_rows_per_pass` rows per request (a request leaves the passes
         at the one holding its last row). Returns the number of catch-up rows."""
+        active, slots = chain.active, chain.slots
         first_pos, num_rows = [], []
-        for i, ctx_len in zip(active.tolist(), ctx_lens.tolist()):
+        for i, ctx_len in zip(active.tolist(), chain.ctx_lens.tolist()):
             start = min(int(self.kv_len[requests[i].slot]), ctx_len - 1)
             first_pos.append(start)
             num_rows.append(ctx_len - start)
         per_pass = self.catchup_rows_per_pass or max(num_rows)
         num_passes = -(-max(num_rows) // per_pass)
-        req, _, _, prow, temp = entries0
+        req, _, _, prow, temp = chain.entries(0)
         dev = self.device
         if num_passes > self.max_catchup_passes:
             if self.wide_graphs is not None:  # one wide pass, graphed
@@ -430,17 +352,23 @@ class DraftModelDrafter:
                 self._pick(logits, req[done], prow[done], temp[done], 0, draft_tokens, probs)
         return int(rows_np.sum()) - len(num_rows)
 
-    def _chain_steps(self, max_draft, steps, entries, up_tables, draft_tokens, probs) -> None:
+    def _chain_steps(
+        self,
+        max_draft: int,
+        chain: ChainPlan,
+        draft_tokens: torch.Tensor,  # [num_reqs, max_draft] in and out
+        probs: torch.Tensor | None,  # [sum(num_draft), vocab] out
+    ) -> None:
         """Steps 1 .. max_draft-1 one forward each: one row per request still drafting, its
         metadata computed on the device."""
         dev = self.device
         bs = self.block_size
-        arange = torch.arange(len(steps[0]) + 1, dtype=torch.int32, device=dev)
+        arange = torch.arange(len(chain.steps[0]) + 1, dtype=torch.int32, device=dev)
         for j in range(1, max_draft):
-            req, row, last_pos, prow, temp = entries(j)
-            n = len(steps[j])
+            req, row, last_pos, prow, temp = chain.entries(j)
+            n = len(chain.steps[j])
             positions = last_pos + j  # [n]
-            tables = up_tables[row]  # [n, width]
+            tables = chain.tables[row]  # [n, width]
             block = tables.gather(1, (positions // bs)[:, None]).squeeze(1).long()
             meta = AttnMetadata(
                 positions=positions,
@@ -559,8 +487,9 @@ class DraftModelDrafter:
         probs: torch.Tensor | None,  # [sum(num_draft), vocab] out
     ) -> None:
         """Draft j of every row, on the device: the argmax for greedy rows; a draw from
-        softmax(logits / temperature) for sampled ones, whose distribution goes to `probs`
-        (greedy rows there hold the point mass of their argmax)."""
+        q = softmax(logits / temperature) for sampled ones, whose q goes to `probs` (greedy rows
+        there hold the point mass of their argmax). No top-k/top-p: rejection sampling is exact
+        for any q the drafts were really drawn from, so q only has to be honest."""
         tokens = logits.argmax(dim=-1)  # [n]
         if probs is not None:
             sampled = temp > 0.0  # [n]
@@ -570,32 +499,3 @@ class DraftModelDrafter:
             point = torch.zeros_like(q).scatter_(1, tokens[:, None], 1.0)
             probs[prow + j] = torch.where(sampled[:, None], q, point)
         draft_tokens[req, j] = tokens
-
-
-class DeviceClock:
-    """Times consecutive phases of work queued on a device without waiting for it: CUDA events
-    on a GPU (read after the proposal's one copy back has synchronised), the host clock on a
-    CPU, where the work runs as it is issued."""
-
-    def __init__(self, device: torch.device):
-        self.events = device.type == "cuda"
-        self.marks = [self.now()]
-
-    def now(self):
-        """A mark of the device's timeline at this point of the queued work."""
-        if not self.events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms(self, a, b) -> float:
-        """Milliseconds from mark a to mark b (the device must have passed b)."""
-        return a.elapsed_time(b) if self.events else (b - a) * 1e3
-
-    def mark(self) -> None:
-        self.marks.append(self.now())
-
-    def intervals_ms(self) -> list[float]:
-        """Milliseconds between consecutive marks."""
-        return [self.ms(a, b) for a, b in zip(self.marks, self.marks[1:])]

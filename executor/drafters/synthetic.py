@@ -2,32 +2,10 @@
 
 It lets a benchmark run the real target and the real scheduler with the acceptance behaviour of a
 drafter one does not have (e.g. a block drafter with published acceptance numbers), as an
-acceptance profile describes it (`profiles/acceptance.json`, one list of classes per cohort):
-
-- each request draws a class by weight when it enters a slot;
-- within the request a two-state Markov chain (easy / hard) moves one step per generated token,
-  from `easy` to `hard` with probability `p_easy_to_hard` and back with `p_hard_to_easy`; the first
-  generated token's state is drawn from the chain's stationary distribution
-      pi_easy = p_hard_to_easy / (p_easy_to_hard + p_hard_to_easy);
-- a drafted position is accepted with the probability of the state of the token it stands for,
-  and the chain of drafts stops at the first rejection.
-
-The state path and the acceptance coin of every generated token index are drawn once per request
-from its own random stream, keyed by (seed, the context it was set up with, how often that same
-context was set up before): the trace model of `scheduler/sim/acceptance_model.py`, which the
-simulator replays with the same keys. A request's acceptance trace therefore depends neither on
-how the policy splits it into AR and SPEC rounds nor on when it was admitted: policies are
-compared on the same traces.
-
+acceptance profile describes it (`profiles/acceptance.json`, one list of classes per cohort).
 Proposals are placeholder tokens; `DraftBatch.forced_accept` carries the accepted count and the
 executor emits the *target's own* tokens with that length, so outputs stay the target's.
-
-Cost: on its own the drafter costs nothing, which flatters speculation. Given a real drafter as
-`inner` (ngram, a draft model), every call is passed on to it as well: its proposals are computed
-and thrown away, so each round pays the drafting and catch-up time that drafter would, while
-acceptance still comes from the profile. The inner drafter is told the synthetic accepted counts
-at commit, so its own state (a draft model's valid KV length, hence its catch-up rows) follows
-the same path as it would with those acceptances.
+`SyntheticDrafter` describes the acceptance model and what the drafting costs.
 """
 
 from __future__ import annotations
@@ -70,6 +48,30 @@ def load_cohort(path: str | Path, cohort: str) -> tuple[AcceptanceClass, ...]:
 
 
 class SyntheticDrafter:
+    """Acceptance from a cohort's classes:
+
+    - each request draws a class by weight when it enters a slot;
+    - within the request a two-state Markov chain (easy / hard) moves one step per generated
+      token, from `easy` to `hard` with probability `p_easy_to_hard` and back with
+      `p_hard_to_easy`; the first generated token's state is drawn from the chain's stationary
+      distribution `pi_easy = p_hard_to_easy / (p_easy_to_hard + p_hard_to_easy)`;
+    - a drafted position is accepted with the probability of the state of the token it stands
+      for, and the chain of drafts stops at the first rejection.
+
+    The state path and the acceptance coin of every generated token index are drawn once per
+    request from its own random stream, keyed by (seed, the context it was set up with, how
+    often that same context was set up before): the trace model of
+    `scheduler/sim/acceptance_model.py`, which the simulator replays with the same keys. A
+    request's acceptance trace therefore depends neither on how the policy splits it into AR
+    and SPEC rounds nor on when it was admitted: policies are compared on the same traces.
+
+    Cost: on its own the drafter costs nothing, which flatters speculation. Given a real drafter
+    as `inner` (ngram, a draft model), every call is passed on to it as well: its proposals are
+    computed and thrown away, so each round pays the drafting and catch-up time that drafter
+    would, while acceptance still comes from the profile. The inner drafter is told the
+    synthetic accepted counts at commit, so its own state (a draft model's valid KV length,
+    hence its catch-up rows) follows the same path as it would with those acceptances."""
+
     name = "synthetic"
     has_probs = False
 
@@ -83,7 +85,7 @@ class SyntheticDrafter:
         self.classes = load_cohort(acceptance_profile_path, cohort)
         self.cohort = cohort
         self.seed = seed
-        self.inner = inner  # a real drafter run only for its cost (see the module doc)
+        self.inner = inner  # a real drafter run only for its cost (see the class doc)
         self._class_p = class_weights(self.classes)  # [num_classes]
         self._num_setups: dict[int, int] = {}  # context hash -> set-ups seen
         self._traces: dict[int, AcceptanceTrace] = {}  # slot -> trace

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor.accept import walk_groups
-from executor.round_executor import _HostBuffer
+from executor.host_buffer import HostBuffer
 
 
 def _reference_walk(host, input_ids, group_rows, num_draft, greedy, has_rejection, forced):
@@ -81,7 +81,7 @@ def test_vectorised_walk_matches_the_per_request_rule(groups, mode, seed):
 
 
 def test_host_buffer_packs_every_region_with_its_dtype_and_shape():
-    buf = _HostBuffer(torch.device("cpu"))
+    buf = HostBuffer(torch.device("cpu"))
     # regions of changing sizes, then the same layout again (cached views, new data)
     for round_idx, length in enumerate([5, 6, 7, 7, 7, 3]):
         arrays = {

@@ -3,11 +3,10 @@ so a neighbour's long launch on the host is not charged to it."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from executor.round_executor import PendingRound, RoundExecutor
+from executor.pending_round import PendingRound
+from executor.round_timing import RoundPeriods
 
 
 class _Event:
@@ -30,9 +29,9 @@ def _round(t0, start, end, behind=False, overlapped=False):
     return p
 
 
-def _period(executor, p, t_end):
-    ms = RoundExecutor._period_ms(executor, p, t_end)
-    executor._last_end, executor._last_end_event = t_end, p.end_event
+def _period(periods, p, t_end):
+    ms = periods.period_ms(p, t_end)
+    periods.finished(p, t_end)
     return ms
 
 
@@ -40,7 +39,7 @@ def test_overlapped_rounds_are_measured_on_the_device_timeline():
     # Device: AR round A runs 0-5 ms; round B (an eager prefill chunk) is launched behind it,
     # its launch holds the host until 30 ms, and it runs on the device 5-33 ms. The host
     # finishes A at 30.5 ms (after B's launch) and B at 33.5 ms.
-    ex = SimpleNamespace(_last_end=0.0, _last_end_event=_Event(0.0))
+    ex = RoundPeriods(last_end=0.0, last_end_event=_Event(0.0))
     a = _round(0.0, _Event(0.0), _Event(5.0), overlapped=True)
     b = _round(0.001, _Event(1.0), _Event(33.0), behind=True)
     assert _period(ex, a, 0.0305) == pytest.approx(5.0)  # not the 30.5 ms the host saw
@@ -50,7 +49,7 @@ def test_overlapped_rounds_are_measured_on_the_device_timeline():
 
 
 def test_rounds_that_do_not_overlap_and_rounds_without_events_keep_the_host_period():
-    ex = SimpleNamespace(_last_end=0.0, _last_end_event=None)
+    ex = RoundPeriods(last_end=0.0, last_end_event=None)
     alone = _round(1.0, _Event(0.0), _Event(4.0))  # nothing launched behind it
     assert _period(ex, alone, 1.0062) == pytest.approx(6.2)  # its host work counts
     cpu = _round(2.0, None, None, overlapped=True)  # no device events (a CPU)

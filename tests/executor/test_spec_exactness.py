@@ -252,9 +252,10 @@ def run_requests(
         if isinstance(drafter, DraftModelDrafter):
             # the scheduler's drafter lag (what the cost model prices) is the draft model's:
             # the committed positions it has no draft KV for
-            slots = np.flatnonzero(sched._slot_decoding)
+            slots = np.flatnonzero(sched._slot_table.decoding)
             assert np.array_equal(
-                drafter.kv_len[slots] + sched._drafter_lag[slots], sched._num_computed[slots]
+                drafter.kv_len[slots] + sched._slot_table.drafter_lag[slots],
+                sched._slot_table.num_computed[slots],
             ), num_rounds
     log.num_preemptions = sched.stats.num_preemptions
     assert sched.num_running == 0 and sched.num_waiting == 0
@@ -400,7 +401,7 @@ def test_greedy_spec_equals_ar_with_the_draft_model_following_prefills(models, n
             for req_id, slot in zip(plan.decode.req_ids.tolist(), plan.decode.slots.tolist()):
                 if req_id in prefilled:
                     prefilled.discard(req_id)
-                    first_lags.append(int(sched._drafter_lag[slot]))
+                    first_lags.append(int(sched._slot_table.drafter_lag[slot]))
             prefilled.update(q.req_id for q in plan.prefills)
 
         log = run_requests(
@@ -655,7 +656,7 @@ def test_deferred_drafts_change_no_output(models, monkeypatch, workload):
     def checked_launch(self, plan):
         # penalties read the drafts on the host at launch: they must be there, not placeholders
         p = launch(self, plan)
-        if p.drafts is not None and self.penalised[p.slots].any():
+        if p.drafts is not None and self.table.penalised[p.batch.requests.slots].any():
             penalised_launches.append(p.drafts.tokens is not None)
         return p
 
