@@ -10,7 +10,11 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("hipfire_serve.server.main", "main", "start the OpenAI-compatible server"),
     "simulate": ("scheduler.sim.cli", "main", "run the scheduler simulator on a cost profile"),
-    "profile": ("executor.profiler", "main", "measure the round-time cost profile on a device"),
+    "profile": (
+        "hipfire_serve.cost_profile.cli",
+        "main",
+        "measure the round-time cost profile on a device",
+    ),
     "hash-key": ("hipfire_serve.server.tenants", "hash_key_main", "print sha256 of an API key"),
 }
 

@@ -27,8 +27,26 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _project_imports(path: Path) -> set[str]:
-    nodes = ast.walk(ast.parse(path.read_text()))
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under `if TYPE_CHECKING:` (annotations only, never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(c for c in ast.iter_child_nodes(node) if not _is_type_checking(c))
+
+
+def _project_imports(path: Path, with_type_checking: bool = True) -> set[str]:
+    tree = ast.parse(path.read_text())
+    nodes = ast.walk(tree) if with_type_checking else _runtime_nodes(tree)
     found = set()
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -68,7 +86,8 @@ def test_no_import_crosses_a_layer_upward(package):
 
 def test_no_modules_import_each_other():
     """No two modules import each other, directly or round a loop, even through an import
-    inside a function (Tarjan's strongly connected components over the module graph)."""
+    inside a function; imports for annotations alone (`if TYPE_CHECKING:`) do not count
+    (Tarjan's strongly connected components over the module graph)."""
     graph: dict[str, set[str]] = {}
     for package in PACKAGES:
         for path in _files(package):
@@ -76,7 +95,7 @@ def test_no_modules_import_each_other():
     for package in PACKAGES:
         for path in _files(package):
             module = _module_name(path)
-            for imported in _project_imports(path):
+            for imported in _project_imports(path, with_type_checking=False):
                 target = imported
                 while target and target not in graph:
                     target = target.rpartition(".")[0]

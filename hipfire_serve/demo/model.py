@@ -79,7 +79,7 @@ class DemoModelConfig:
         return asdict(self)
 
 
-# The shipped pair. Sizes chosen so both bf16 checkpoints plus tokenizer files stay under 30 MB:
+# The shipped pair, sized so both bf16 checkpoints plus tokenizer files stay under 30 MB:
 # target ~11.7 M parameters, draft ~2.4 M (tied embeddings are 3.1 M and 1.6 M of those).
 TARGET_SHAPE = dict(
     hidden_size=384, intermediate_size=896, num_layers=6, num_heads=6, num_kv_heads=2

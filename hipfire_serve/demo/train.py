@@ -10,14 +10,7 @@ curves, validation perplexity, acceptance at depth 8, greedy sample token ids).
 
 Target: next-token cross-entropy on a fixed mix of code and prose windows. Draft: distilled
 from the trained target (forward KL to the target's next-token distribution at every position).
-Greedy speculation accepts a draft token exactly when it equals the target's argmax, so a draft
-that imitates the target's distribution is what raises acceptance; plain corpus training would
-spend the draft's small capacity on the data's own noise instead.
-
-Both runs are time-budgeted: the LR schedule (linear warmup, constant, linear decay over the last
-`DECAY_SHARE` of the budget) follows elapsed time, and the checkpoint kept is the one with the
-best validation score seen at the periodic evaluations (the corpus is small, so many epochs pass
-and the prose can be over-fitted late in a run).
+Both runs are time-budgeted (`train_one`).
 """
 
 from __future__ import annotations
@@ -151,7 +144,18 @@ def train_one(
     peak_lr: float,
     teacher: DemoCausalLM | None = None,
 ) -> tuple[DemoCausalLM, dict]:
-    """Time-budgeted training; returns the best checkpoint (by validation) and its log."""
+    """Time-budgeted training; returns the best checkpoint (by validation) and its log.
+
+    The LR schedule (linear warmup, constant, linear decay over the last `DECAY_SHARE` of the
+    budget) follows elapsed time, and the checkpoint kept is the one with the best validation
+    score seen at the periodic evaluations: the corpus is small, so many epochs pass and the
+    prose can be over-fitted late in a run.
+
+    With a `teacher` the loss is KL(teacher || model): greedy speculation accepts a draft token
+    exactly when it equals the target's argmax, so a draft that imitates the target's
+    distribution is what raises acceptance; plain corpus training would spend the draft's small
+    capacity on the data's own noise instead.
+    """
     settings = batches.settings
     device = batches.code.device
     opt = make_optimizer(model, peak_lr, device)

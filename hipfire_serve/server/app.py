@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hipfire_serve.server import http
-from hipfire_serve.server.async_engine import AsyncEngine
 from hipfire_serve.server.config import ServerConfig
+from hipfire_serve.server.engine_client import EngineClient
 from hipfire_serve.server.generate import Generation, GenerationPlan, TokenTexts
 from hipfire_serve.server.metrics import ServerMetrics
 from hipfire_serve.server.protocol import (
@@ -53,7 +53,7 @@ def _engine_errors() -> tuple[type, type]:
 class App:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         *,
         tokenizer: Any,
         model_name: str,

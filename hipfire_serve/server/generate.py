@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from hipfire_serve.server import http
-from hipfire_serve.server.async_engine import AsyncEngine, RequestStream, StreamClosed
+from hipfire_serve.server.engine_client import EngineClient, RequestStream, StreamClosed
 from hipfire_serve.server.metrics import ServerMetrics
 from hipfire_serve.server.protocol import (
     AssistantMessage,
@@ -103,7 +103,7 @@ class Generation:
         self,
         plan: GenerationPlan,
         *,
-        engine: AsyncEngine,
+        engine: EngineClient,
         metrics: ServerMetrics,
         token_texts: TokenTexts,
         model_name: str,
@@ -317,13 +317,7 @@ class Generation:
                 )
                 for c in self.choices
             ]
-            return ChatCompletion(
-                id=self.id,
-                created=self.created,
-                model=self.model_name,
-                choices=chat_choices,
-                usage=usage,
-            )
+            return self._response(ChatCompletion, chat_choices, usage)
         choices = [
             CompletionChoice(
                 index=c.index,
@@ -333,9 +327,7 @@ class Generation:
             )
             for c in self.choices
         ]
-        return Completion(
-            id=self.id, created=self.created, model=self.model_name, choices=choices, usage=usage
-        )
+        return self._response(Completion, choices, usage)
 
     @staticmethod
     def _completion_logprobs(
@@ -451,43 +443,25 @@ class Generation:
             parts.append(http.sse_event(http.encode(chunk)))
         return b"".join(parts)
 
+    def _response(self, response_type: type, choices: list, usage: Usage | None = None) -> Any:
+        """A response or chunk of this generation (its id, creation time and model)."""
+        return response_type(
+            id=self.id, created=self.created, model=self.model_name, choices=choices, usage=usage
+        )
+
     def _chat_chunk(
         self, index: int, delta: ChatDelta, finish: str | None = None, logprobs: Any = None
     ) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.id,
-            created=self.created,
-            model=self.model_name,
-            choices=[
-                ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
-            ],
-        )
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
+        return self._response(ChatCompletionChunk, [choice])
 
     def _completion_chunk(
         self, index: int, text: str, finish: str | None = None, logprobs: Any = None
     ) -> Completion:
-        return Completion(
-            id=self.id,
-            created=self.created,
-            model=self.model_name,
-            choices=[
-                CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
-            ],
-        )
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
+        return self._response(Completion, [choice])
 
     def _usage_chunk(self) -> ChatCompletionChunk | Completion:
-        if self.plan.chat:
-            return ChatCompletionChunk(
-                id=self.id,
-                created=self.created,
-                model=self.model_name,
-                choices=[],
-                usage=self.usage(),
-            )
-        return Completion(
-            id=self.id,
-            created=self.created,
-            model=self.model_name,
-            choices=[],
-            usage=self.usage(),
+        return self._response(
+            ChatCompletionChunk if self.plan.chat else Completion, [], self.usage()
         )

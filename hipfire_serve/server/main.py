@@ -21,6 +21,7 @@ from hipfire_serve.config import EngineConfig
 from hipfire_serve.server.app import App
 from hipfire_serve.server.async_engine import AsyncEngine
 from hipfire_serve.server.config import ServerConfig, resolve
+from hipfire_serve.server.engine_client import EngineClient
 from hipfire_serve.server.metrics import ServerMetrics
 from hipfire_serve.server.tenants import Tenant, TenantRegistry, load_tenants
 
@@ -74,7 +75,7 @@ class DrainingServer(uvicorn.Server):
 class Built:
     server: DrainingServer
     app: App
-    engine: AsyncEngine
+    engine: EngineClient
 
 
 def build_server(
@@ -89,10 +90,10 @@ def build_server(
     model_name = server_config.served_model_name or engine.model_name
     metrics = ServerMetrics(model_name, vllm_compat=server_config.metrics_compat == "vllm")
     registry = TenantRegistry.open_access() if tenants is None else TenantRegistry(tenants)
-    async_engine = engine if getattr(engine, "is_engine_loop", False) else AsyncEngine(engine)
-    async_engine.on_round = metrics.observe_engine
+    engine_loop = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
+    engine_loop.on_round = metrics.observe_engine
     app = App(
-        async_engine,
+        engine_loop,
         tokenizer=engine.tokenizer,
         model_name=model_name,
         max_model_len=engine.max_model_len,
@@ -127,7 +128,7 @@ def build_server(
         f"http://{url_host}:{{port}}/v1 with {access}"
     )
     server = DrainingServer(uv_config, app, line)
-    return Built(server=server, app=app, engine=async_engine)
+    return Built(server=server, app=app, engine=engine_loop)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ engine round), never from the engine thread, so rounds do not pay for them.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -42,176 +43,174 @@ _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _SPEC_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # fmt: on
 
-# Metrics that exist in vLLM's schema (hipfire name -> extra vLLM aliases beyond the prefix).
-VLLM_NAMES = {
-    "num_requests_running": (),
-    "num_requests_waiting": (),
-    "kv_cache_usage_perc": ("gpu_cache_usage_perc",),
-    "time_to_first_token_seconds": (),
-    "inter_token_latency_seconds": (),
-    "time_per_output_token_seconds": (),
-    "e2e_request_latency_seconds": (),
-    "request_queue_time_seconds": (),
-    "prompt_tokens": (),
-    "generation_tokens": (),
-    "request_success": (),
-    "spec_decode_num_drafts": (),
-    "spec_decode_num_draft_tokens": (),
-    "spec_decode_num_accepted_tokens": (),
-    "spec_decode_num_accepted_tokens_per_pos": (),
-}
+_M = ("model_name",)
+_MT = ("model_name", "tenant")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: `kind(PREFIX + name, help, labels)`, held on `ServerMetrics` under its name
+    without the `_seconds` unit (`time_to_first_token_seconds` -> `.time_to_first_token`)."""
+
+    kind: type  # Counter | Gauge | Histogram
+    name: str
+    help: str
+    labels: tuple[str, ...]
+    buckets: tuple[float, ...] | None = None  # Histogram only
+    in_vllm: bool = False  # vLLM's schema has it: exported as `vllm:<name>` with vllm_compat
+    vllm_aliases: tuple[str, ...] = ()  # further `vllm:` names of it (legacy ones)
+
+    @property
+    def attr(self) -> str:
+        return self.name.removesuffix("_seconds")
+
+
+# In registration order, which is the order of /metrics.
+METRICS = (
+    # engine state
+    MetricSpec(
+        Gauge,
+        "num_requests_running",
+        "Requests holding a slot (decoding or prefilling).",
+        _M,
+        in_vllm=True,
+    ),
+    MetricSpec(Gauge, "num_requests_waiting", "Requests waiting for a slot.", _M, in_vllm=True),
+    MetricSpec(
+        Gauge,
+        "kv_cache_usage_perc",
+        "KV cache usage, 1 means full.",
+        _M,
+        in_vllm=True,
+        vllm_aliases=("gpu_cache_usage_perc",),
+    ),
+    MetricSpec(Gauge, "live_slots", "Slots in use.", _M),
+    MetricSpec(Gauge, "slot_capacity", "Slot pool size.", _M),
+    # per request
+    MetricSpec(
+        Histogram,
+        "time_to_first_token_seconds",
+        "Arrival to first generated token.",
+        _MT,
+        _TTFT_BUCKETS,
+        in_vllm=True,
+    ),
+    MetricSpec(
+        Histogram,
+        "inter_token_latency_seconds",
+        "Time between consecutive output tokens.",
+        _MT,
+        _ITL_BUCKETS,
+        in_vllm=True,
+    ),
+    MetricSpec(
+        Histogram,
+        "time_per_output_token_seconds",
+        "Per request: (e2e - time to first token) / (output tokens - 1).",
+        _MT,
+        _ITL_BUCKETS,
+        in_vllm=True,
+    ),
+    MetricSpec(
+        Histogram,
+        "e2e_request_latency_seconds",
+        "Arrival to last token.",
+        _MT,
+        _REQUEST_BUCKETS,
+        in_vllm=True,
+    ),
+    MetricSpec(
+        Histogram,
+        "request_queue_time_seconds",
+        "Arrival until the engine took the request in (server queue and admission).",
+        _MT,
+        _REQUEST_BUCKETS,
+        in_vllm=True,
+    ),
+    MetricSpec(Counter, "prompt_tokens", "Prompt tokens of admitted requests.", _MT, in_vllm=True),
+    MetricSpec(Counter, "generation_tokens", "Generated tokens.", _MT, in_vllm=True),
+    MetricSpec(
+        Counter,
+        "request_success",
+        "Finished requests by finish reason.",
+        (*_MT, "finished_reason"),
+        in_vllm=True,
+    ),
+    # speculative decoding
+    MetricSpec(
+        Counter,
+        "spec_decode_num_drafts",
+        "Speculative steps (one per speculating request and round).",
+        _M,
+        in_vllm=True,
+    ),
+    MetricSpec(Counter, "spec_decode_num_draft_tokens", "Drafted tokens.", _M, in_vllm=True),
+    MetricSpec(
+        Counter, "spec_decode_num_accepted_tokens", "Accepted drafted tokens.", _M, in_vllm=True
+    ),
+    MetricSpec(
+        Counter,
+        "spec_decode_num_accepted_tokens_per_pos",
+        "Accepted drafted tokens by draft position (0 is the first drafted token).",
+        (*_M, "position"),
+        in_vllm=True,
+    ),
+    # the scheduler's own
+    MetricSpec(Histogram, "round_rows", "Rows verified in one target forward.", _M, _ROW_BUCKETS),
+    MetricSpec(
+        Histogram, "round_spec_requests", "Speculating requests per round.", _M, _SPEC_BUCKETS
+    ),
+    MetricSpec(
+        Counter,
+        "round_route",
+        "Requests per route (spec, ar, prefill), summed over rounds.",
+        (*_M, "route"),
+    ),
+    MetricSpec(
+        Histogram,
+        "round_duration_seconds",
+        "Round phase durations.",
+        (*_M, "phase"),
+        _ROUND_BUCKETS,
+    ),
+    MetricSpec(
+        Histogram,
+        "round_predicted_seconds",
+        "Round time the cost model predicted.",
+        _M,
+        _ROUND_BUCKETS,
+    ),
+    MetricSpec(Histogram, "round_measured_seconds", "Round time measured.", _M, _ROUND_BUCKETS),
+    MetricSpec(Counter, "policy_switches", "Times the speculation policy changed its route.", _M),
+    MetricSpec(
+        Counter,
+        "rounds_overlapped",
+        "Rounds whose successor was launched before they finished (rounds ahead).",
+        _M,
+    ),
+)
 
 ROUTES = ("spec", "ar", "prefill")
 
 
 class ServerMetrics:
     """All metric objects of one server, in their own registry (tests run several servers
-    in one process)."""
+    in one process); each `METRICS` entry is an attribute (`MetricSpec.attr`)."""
 
     def __init__(self, model_name: str, *, vllm_compat: bool = False) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple, Any] = {}
-        r = self.registry
-        m = ("model_name",)
-        mt = ("model_name", "tenant")
-        p = PREFIX
-        # engine state
-        self.num_requests_running = Gauge(
-            p + "num_requests_running",
-            "Requests holding a slot (decoding or prefilling).",
-            m,
-            registry=r,
-        )
-        self.num_requests_waiting = Gauge(
-            p + "num_requests_waiting", "Requests waiting for a slot.", m, registry=r
-        )
-        self.kv_cache_usage_perc = Gauge(
-            p + "kv_cache_usage_perc", "KV cache usage, 1 means full.", m, registry=r
-        )
-        self.live_slots = Gauge(p + "live_slots", "Slots in use.", m, registry=r)
-        self.slot_capacity = Gauge(p + "slot_capacity", "Slot pool size.", m, registry=r)
-        # per request
-        self.time_to_first_token = Histogram(
-            p + "time_to_first_token_seconds",
-            "Arrival to first generated token.",
-            mt,
-            buckets=_TTFT_BUCKETS,
-            registry=r,
-        )
-        self.inter_token_latency = Histogram(
-            p + "inter_token_latency_seconds",
-            "Time between consecutive output tokens.",
-            mt,
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        )
-        self.time_per_output_token = Histogram(
-            p + "time_per_output_token_seconds",
-            "Per request: (e2e - time to first token) / (output tokens - 1).",
-            mt,
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e_request_latency = Histogram(
-            p + "e2e_request_latency_seconds",
-            "Arrival to last token.",
-            mt,
-            buckets=_REQUEST_BUCKETS,
-            registry=r,
-        )
-        self.request_queue_time = Histogram(
-            p + "request_queue_time_seconds",
-            "Arrival until the engine took the request in (server queue and admission).",
-            mt,
-            buckets=_REQUEST_BUCKETS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            p + "prompt_tokens", "Prompt tokens of admitted requests.", mt, registry=r
-        )
-        self.generation_tokens = Counter(
-            p + "generation_tokens", "Generated tokens.", mt, registry=r
-        )
-        self.request_success = Counter(
-            p + "request_success",
-            "Finished requests by finish reason.",
-            (*mt, "finished_reason"),
-            registry=r,
-        )
-        # speculative decoding
-        self.spec_decode_num_drafts = Counter(
-            p + "spec_decode_num_drafts",
-            "Speculative steps (one per speculating request and round).",
-            m,
-            registry=r,
-        )
-        self.spec_decode_num_draft_tokens = Counter(
-            p + "spec_decode_num_draft_tokens", "Drafted tokens.", m, registry=r
-        )
-        self.spec_decode_num_accepted_tokens = Counter(
-            p + "spec_decode_num_accepted_tokens", "Accepted drafted tokens.", m, registry=r
-        )
-        self.spec_decode_num_accepted_tokens_per_pos = Counter(
-            p + "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted drafted tokens by draft position (0 is the first drafted token).",
-            (*m, "position"),
-            registry=r,
-        )
-        # the scheduler's own
-        self.round_rows = Histogram(
-            p + "round_rows",
-            "Rows verified in one target forward.",
-            m,
-            buckets=_ROW_BUCKETS,
-            registry=r,
-        )
-        self.round_spec_requests = Histogram(
-            p + "round_spec_requests",
-            "Speculating requests per round.",
-            m,
-            buckets=_SPEC_BUCKETS,
-            registry=r,
-        )
-        self.round_route = Counter(
-            p + "round_route",
-            "Requests per route (spec, ar, prefill), summed over rounds.",
-            (*m, "route"),
-            registry=r,
-        )
-        self.round_duration = Histogram(
-            p + "round_duration_seconds",
-            "Round phase durations.",
-            (*m, "phase"),
-            buckets=_ROUND_BUCKETS,
-            registry=r,
-        )
-        self.round_predicted = Histogram(
-            p + "round_predicted_seconds",
-            "Round time the cost model predicted.",
-            m,
-            buckets=_ROUND_BUCKETS,
-            registry=r,
-        )
-        self.round_measured = Histogram(
-            p + "round_measured_seconds",
-            "Round time measured.",
-            m,
-            buckets=_ROUND_BUCKETS,
-            registry=r,
-        )
-        self.policy_switches = Counter(
-            p + "policy_switches", "Times the speculation policy changed its route.", m, registry=r
-        )
-        self.rounds_overlapped = Counter(
-            p + "rounds_overlapped",
-            "Rounds whose successor was launched before they finished (rounds ahead).",
-            m,
-            registry=r,
-        )
+        for spec in METRICS:
+            extra = {} if spec.buckets is None else {"buckets": spec.buckets}
+            metric = spec.kind(
+                PREFIX + spec.name, spec.help, spec.labels, registry=self.registry, **extra
+            )
+            setattr(self, spec.attr, metric)
         if vllm_compat:
-            vllm_sources = [getattr(self, attr) for attr in _ATTR_OF_VLLM_NAME.values()]
-            self.registry.register(_VllmAliases(vllm_sources))
+            self.registry.register(
+                _VllmAliases([(getattr(self, s.attr), s) for s in METRICS if s.in_vllm])
+            )
 
     def _c(self, metric: Any, *labels: str) -> Any:
         """The metric's child for `labels`, cached: `.labels()` validates on every call, and
@@ -301,41 +300,20 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-# vLLM-schema name -> ServerMetrics attribute holding it.
-_ATTR_OF_VLLM_NAME = {
-    "num_requests_running": "num_requests_running",
-    "num_requests_waiting": "num_requests_waiting",
-    "kv_cache_usage_perc": "kv_cache_usage_perc",
-    "time_to_first_token_seconds": "time_to_first_token",
-    "inter_token_latency_seconds": "inter_token_latency",
-    "time_per_output_token_seconds": "time_per_output_token",
-    "e2e_request_latency_seconds": "e2e_request_latency",
-    "request_queue_time_seconds": "request_queue_time",
-    "prompt_tokens": "prompt_tokens",
-    "generation_tokens": "generation_tokens",
-    "request_success": "request_success",
-    "spec_decode_num_drafts": "spec_decode_num_drafts",
-    "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
-    "spec_decode_num_accepted_tokens_per_pos": "spec_decode_num_accepted_tokens_per_pos",
-}
-
-
 class _VllmAliases:
     """Re-exports the vLLM-schema metrics under `vllm:` names at scrape time (no second set
     of objects to keep in step)."""
 
-    def __init__(self, sources: list[Any]) -> None:
+    def __init__(self, sources: list[tuple[Any, MetricSpec]]) -> None:
         self.sources = sources
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterable[Metric]:
-        for source in self.sources:
-            for family in source.collect():
-                base = family.name[len(PREFIX) :]
-                for alias in (base, *VLLM_NAMES[base]):
+        for metric, spec in self.sources:
+            for family in metric.collect():
+                for alias in (spec.name, *spec.vllm_aliases):
                     yield _renamed(family, family.name, "vllm:" + alias)
 
 

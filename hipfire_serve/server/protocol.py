@@ -226,6 +226,19 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     text_offset: list[int]
 
 
+class _Response(msgspec.Struct, kw_only=True):
+    """The envelope every response shares; a subclass sets `object` and the choice type
+    (fields keep these positions, so each response encodes in OpenAI's key order)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[Any]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
@@ -233,14 +246,9 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
 
 
-class Completion(msgspec.Struct, kw_only=True):
-    id: str
+class Completion(_Response, kw_only=True):
     object: str = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):
@@ -249,10 +257,7 @@ class TopLogprob(msgspec.Struct, kw_only=True):
     bytes: list[int]
 
 
-class ChatTokenLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int]
+class ChatTokenLogprob(TopLogprob, kw_only=True):
     top_logprobs: list[TopLogprob]
 
 
@@ -272,14 +277,9 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
 
 
-class ChatCompletion(msgspec.Struct, kw_only=True):
-    id: str
+class ChatCompletion(_Response, kw_only=True):
     object: str = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -294,14 +294,9 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
+class ChatCompletionChunk(_Response, kw_only=True):
     object: str = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class ModelCard(msgspec.Struct, kw_only=True):

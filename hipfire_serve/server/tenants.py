@@ -1,6 +1,4 @@
-"""Tenants: who may call the server, how fast, and with what share of the slots.
-
-A TOML file lists them:
+"""Tenants, listed in a TOML file: who may call the server, how fast, with what share of slots.
 
     [[tenants]]
     name = "acme"                          # metric label, log name; [A-Za-z0-9_.-]
@@ -12,8 +10,8 @@ A TOML file lists them:
     tokens_per_minute = 200000             # prompt + max_tokens, refunded on finish (0: unlimited)
     speculation = ["auto", "on", "off"]    # modes this tenant may ask for
 
-Keys are stored only as sha256 digests, so the file can be checked in or shared with operators
-without leaking credentials. A request's `Authorization: Bearer <key>` is hashed and looked up.
+Keys are stored only as sha256 digests, so the file can be shared without leaking credentials;
+a request's `Authorization: Bearer <key>` is hashed and looked up.
 """
 
 from __future__ import annotations

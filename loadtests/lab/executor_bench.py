@@ -135,7 +135,8 @@ def _busy_us(prof) -> tuple[float, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from executor.profiler import RoundTimer, measure_ceilings
+    from executor.profiling.device import measure_ceilings
+    from executor.profiling.rounds import RoundTimer
     from hipfire_serve.config import EngineConfig
     from hipfire_serve.engine import Engine
 

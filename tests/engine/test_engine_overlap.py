@@ -53,7 +53,7 @@ def test_stop_string_in_round_n_ends_the_request_before_round_n_plus_2(model_dir
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
     engine.add_request("s", PROMPT, params)
     engine.add_request("other", PROMPT, greedy)  # keeps the batch busy after "s" ends
-    req_id = engine._requests["s"].choice_ids[0]
+    req_id = engine._requests.requests["s"].choice_ids[0]
     final = None
     pieces = []
     num_tokens = 0
@@ -89,9 +89,10 @@ def test_a_request_aborted_between_steps_emits_nothing_more(model_dir, overlap_r
     for _ in range(4):  # both decode; "a" has a round's tokens not yet handed out
         engine.step()
     if overlap_rounds:  # a round of both still runs (advanced)
-        assert engine._ahead is not None and engine._ahead[0].num_reqs == 2
+        in_flight = engine.round_in_flight
+        assert in_flight is not None and in_flight.plan.num_reqs == 2
     else:  # a round's deltas wait to be collected
-        assert engine._pending is not None and len(engine._pending) == 2
+        assert engine._uncollected is not None and len(engine._uncollected) == 2
     engine.abort("a")
     seen = []
     while engine.has_unfinished():

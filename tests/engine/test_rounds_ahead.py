@@ -19,7 +19,7 @@ def _idle(engine):
     assert s.num_running == 0 and s.num_waiting == 0
     assert s.kv.num_free == s.kv.num_total and s.num_free_slots == engine.config.max_concurrency
     assert not engine.has_unfinished()
-    assert engine._ahead is None and engine.executor._ahead is None
+    assert engine.round_in_flight is None and engine.executor.advanced_round is None
 
 
 def _count_calls(engine):
@@ -38,7 +38,7 @@ def _count_calls(engine):
         return advance(p)
 
     def counted_launch(plan):
-        counts["behind"] += ex._ahead is not None
+        counts["behind"] += ex.advanced_round is not None
         return launch(plan)
 
     ex.advance, ex.launch, ex.finish = counted_advance, counted_launch, counted_finish
@@ -138,7 +138,7 @@ def test_an_abort_while_a_round_runs_ahead_emits_nothing_more(model_dir):
         engine.add_request(name, PROMPT[:20], p)
     for _ in range(5):
         engine.step()
-    assert engine._ahead is not None
+    assert engine.round_in_flight is not None
     engine.abort("b")
     seen = []
     while engine.has_unfinished():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from executor.profiler import time_draft_steps
+from executor.profiling.drafts import time_draft_steps
 from executor.random_model import random_model
 
 
@@ -41,7 +41,7 @@ def test_draft_steps_are_timed_with_the_serving_table_width():
     """The block table is padded to the serving executor's width (graphs and the attention's
     split plan follow it); the padding is never read, so proposals are those of a tight table."""
     from executor.drafters.base import DraftRequest
-    from executor.profiler import standalone_drafter
+    from executor.profiling.drafts import standalone_drafter
 
     model = random_model("tiny", device=torch.device("cpu"), dtype=torch.float32)
     tight = standalone_drafter(model, 2, 40, 4, graphs=False)
@@ -60,7 +60,7 @@ def test_draft_steps_are_timed_with_the_serving_table_width():
 
 
 def test_catch_up_of_a_whole_prompt_is_timed_as_one_forward_of_its_rows():
-    from executor.profiler import time_draft_catchup
+    from executor.profiling.drafts import time_draft_catchup
 
     model, rows_seen = _model_counting_rows()
     out = time_draft_catchup(model, (8, 32), repeats=2, graphs=False)
@@ -71,7 +71,7 @@ def test_catch_up_of_a_whole_prompt_is_timed_as_one_forward_of_its_rows():
 
 
 def test_catch_up_past_one_prompt_is_timed_as_several_prompts_in_one_forward():
-    from executor.profiler import catchup_profile_rows, time_draft_catchup
+    from executor.profiling.drafts import catchup_profile_rows, time_draft_catchup
 
     model, rows_seen = _model_counting_rows()
     out = time_draft_catchup(model, (8, 32), repeats=2, graphs=False, rows_per_req=8)

@@ -83,7 +83,7 @@ def test_graphed_drafting_equals_eager_drafting():
 
 
 def test_capture_graphs_ahead_and_profile_step_times():
-    from executor.profiler import time_draft_steps
+    from executor.profiling.drafts import time_draft_steps
 
     dev = torch.device("cuda")
     model = random_model("tiny", device=dev, dtype=torch.bfloat16, max_position=512)
@@ -175,7 +175,7 @@ def test_graphed_catch_ups_beat_one_eager_forward():
     """A 0.6B-shaped draft model catching up nine tokens for 8 requests, and one whole prompt:
     graph replays (passes of four rows, or one wide replay) cost less than one eager forward of
     all rows (launch-bound)."""
-    from executor.profiler import standalone_drafter
+    from executor.profiling.drafts import standalone_drafter
 
     dev = torch.device("cuda")
     draft = random_model("qwen3-0.6b", device=dev, dtype=torch.bfloat16, max_position=2048)

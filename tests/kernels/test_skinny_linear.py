@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadtests.lab.kernels import linear as bench_linear
 from kernels.skinny_linear import (
     _COUNTERS,
     MAX_ROWS,
@@ -21,6 +20,7 @@ from kernels.skinny_linear import (
     skinny_linear_ref,
     wave_split,
 )
+from loadtests.lab.kernels import linear as bench_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Interpreter-sized launches: dot tiles need 16+ along each dimension.

@@ -10,10 +10,10 @@ One run, in order:
 1. one engine: the target, the `synthetic` drafter (acceptance from the shared acceptance models,
    cohorts code / prose / mixed) wrapping a real drafter whose cost every round pays (the
    Qwen3-0.6B-shaped draft model, or ngram);
-2. the cost profile of that engine (`executor.profiler.build_profile`, copy bandwidth and bf16
-   GEMM rate measured in the same call), and per model-free cost drafter its own speculating
-   host time and round factor (`drafter_spec_terms`, kept under `profile.by_drafter`); the
-   scheduler's cost model and the simulator read them;
+2. the cost profile of that engine (`build_profile` of `hipfire_serve/cost_profile/`, copy
+   bandwidth and bf16 GEMM rate measured in the same call), and per model-free cost drafter its
+   own speculating host time and round factor (`drafter_spec_terms`, kept under
+   `profile.by_drafter`); the scheduler's cost model and the simulator read them;
 3. round time over rows x KV length against the roofline max(bytes / copy BW, FLOPs / GEMM rate)
    (shapes over 1.3 x re-timed phase by phase), the decode graphs the runs replay captured
    ahead (target and draft model), two unmeasured all-spec runs (kernels compiled on first

@@ -26,12 +26,9 @@ def measure_profile(engine, cfg: BenchConfig, tmp: Path) -> tuple[dict, dict[str
     (a drafter without a model costs no device time in the cost model; prompt lookup costs its
     measured host time, `drafter_host`)."""
     from executor.drafters.synthetic import SyntheticDrafter
-    from executor.profiler import (
-        build_profile,
-        drafter_spec_terms,
-        host_drafter_profile,
-        time_spec_round_ratio,
-    )
+    from executor.profiling.drafts import host_drafter_profile
+    from hipfire_serve.cost_profile.build import build_profile
+    from hipfire_serve.cost_profile.engine_steps import drafter_spec_terms, time_spec_round_ratio
 
     profile = build_profile(engine, cfg.profile_rows, cfg.profile_kv_lens, cfg.profile_repeats)
     paths = {}
@@ -118,7 +115,7 @@ def add_round_phases(
     """Where a shape misses `bound` x its roofline, times it again phase by phase (host build,
     target forward, acceptance, commit: median ms) so the report can say where the time goes;
     until `deadline` (perf_counter seconds). Returns the number of shapes re-timed."""
-    from executor.profiler import RoundTimer
+    from executor.profiling.rounds import RoundTimer
 
     timer = RoundTimer(engine.executor, cfg.spec_depth)
     num = 0

@@ -254,9 +254,9 @@ def install(
     # the all-AR baseline is a server without speculation: its drafter follows no prefill
     follows = cfg.drafter_follows_prefill if policy != AR else "off"
 
-    assert not engine.has_unfinished()
     ec = engine.config
-    engine.scheduler = Scheduler(
+    engine.install_drafter(drafter, follows != "off")
+    scheduler = Scheduler(
         SchedulerConfig(
             max_concurrency=concurrency,
             max_queue=ec.max_queue,
@@ -275,10 +275,8 @@ def install(
         policy=make_policy(policy, profile_path, cfg, drafter.cohort),
     )
     if acceptance is not None:
-        engine.scheduler.adopt_acceptance(acceptance)
-    engine._num_switches = 0
-    engine.drafter = engine.executor.drafter = drafter
-    engine.executor.drafter_follows_prefill = follows != "off"
+        scheduler.adopt_acceptance(acceptance)
+    engine.install_scheduler(scheduler)
 
 
 def warm_graphs(engine, cfg: BenchConfig) -> int:
@@ -432,7 +430,7 @@ def estimate_s(durations: dict, policy: str, concurrency: int) -> float:
 def recover(engine, max_steps: int = 1000) -> bool:
     """Aborts whatever a failed run left in the engine and drains it; False if it cannot."""
     try:
-        for request_id in list(engine._requests):
+        for request_id in engine.request_ids():
             engine.abort(request_id)
         for _ in range(max_steps):
             if not engine.has_unfinished():

@@ -199,9 +199,9 @@ def time_calls(call, num_copies: int, calls: int) -> float:
 
 def copy_bandwidth_tbps() -> float:
     """Bytes read + written per second by a device-to-device copy, TB/s: the same ceiling the
-    other benchmarks use (`executor.profiler.measure_ceilings`). A copy captured in a graph
+    other benchmarks use (`executor.profiling.device.measure_ceilings`). A copy captured in a graph
     becomes a memcpy node, which measured 2.77 TB/s on the H200 against 4.16 for the kernel."""
-    from executor.profiler import measure_ceilings
+    from executor.profiling.device import measure_ceilings
 
     return measure_ceilings(torch.device("cuda"))["copy_read_plus_write_TBps"]
 

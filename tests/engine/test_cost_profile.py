@@ -1,5 +1,5 @@
-"""The cost profiler writes a profile the scheduler's cost model reads, and the engine picks a
-cached profile up by its key."""
+"""`hipfire-serve profile` writes a profile the scheduler's cost model reads, and the engine picks
+a cached profile up by its key."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from executor import profiler
 from hipfire_serve.cli import main as cli_main
 from hipfire_serve.config import EngineConfig
+from hipfire_serve.cost_profile import cache
 from hipfire_serve.engine import Engine
 from scheduler.cost_model import CostModel, ProfileCost
 from tests.fixtures.tiny_models import make_tiny_model
@@ -97,7 +97,7 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
     assert factor == pytest.approx(min(max(ratio[4], 0.5), 3.0))
 
     # the engine finds the profile in the cache by its key
-    monkeypatch.setattr(profiler, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(cache, "CACHE_DIR", tmp_path / "cache")
     cfg = EngineConfig(
         model=str(model),
         draft="ngram",
@@ -109,7 +109,7 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
     engine = Engine(cfg)
 
     def key_of(engine) -> str:
-        return profiler.profile_key(
+        return cache.profile_key(
             str(engine.target_dir),
             engine.draft_spec,
             engine.device,
@@ -119,12 +119,12 @@ def test_profile_command_writes_a_profile_the_cost_model_reads(tmp_path, monkeyp
         )
 
     key = key_of(engine)
-    cached = profiler.cached_profile_path(key)
+    cached = cache.cached_profile_path(key)
     # a profile cached in an older format is not this key's
-    current = profiler.PROFILE_FORMAT
-    monkeypatch.setattr(profiler, "PROFILE_FORMAT", current - 1)
+    current = cache.PROFILE_FORMAT
+    monkeypatch.setattr(cache, "PROFILE_FORMAT", current - 1)
     assert key_of(engine) != key
-    monkeypatch.setattr(profiler, "PROFILE_FORMAT", current)
+    monkeypatch.setattr(cache, "PROFILE_FORMAT", current)
     cached.parent.mkdir(parents=True)
     cached.write_text(out.read_text())
     engine = Engine(cfg)
@@ -147,7 +147,7 @@ def test_bad_profile_path_is_a_clear_error(tmp_path):
 
 def test_build_measures_and_caches_a_profile_at_start_up(tmp_path, monkeypatch):
     model = make_tiny_model(tmp_path / "m", "llama")
-    monkeypatch.setattr(profiler, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(cache, "CACHE_DIR", tmp_path / "cache")
     cfg = EngineConfig(
         model=str(model),
         draft="ngram",
