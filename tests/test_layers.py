@@ -16,7 +16,7 @@ FORBIDDEN = {
     "kernels": ("executor", "scheduler", "hipfire_serve", "loadtests"),
     "scheduler": ("executor", "kernels", "hipfire_serve", "loadtests"),
     "executor": ("hipfire_serve", "loadtests"),
-    "hipfire_serve": ("loadtests",),
+    "hipfire_serve": ("loadtests", "kernels"),  # kernels only through executor
     # the HTTP load generator speaks to any server: no project internals
     "loadtests": ("hipfire_serve", "scheduler", "executor", "kernels", "loadtests.lab"),
 }
