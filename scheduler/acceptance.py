@@ -3,31 +3,10 @@
 Notation: a speculating request with d drafts emits `1 + s_1 + ... + s_d` tokens in expectation,
 where the survival `s_j` is the probability that draft positions 1..j are all accepted (chain
 semantics: drafting stops at the first rejection). The planner needs s_j per request.
-
-Model: how well a drafter does on a request changes along the text (code vs prose, boilerplate
-vs a tricky passage), and it persists for a while. Each request therefore carries a *belief*
-over a fixed grid of acceptance levels `a_l` (a discrete Bayesian filter):
-
-    observe position with outcome x:  b_l <- b_l * (a_l if x else 1 - a_l), then normalised
-    each generated token:             b <- (1 - SWITCH) * b + SWITCH * prior
-                                      (the level may have changed to any other, as often as
-                                      the global statistics say)
-
-`prior` is the drafter's global distribution over the levels: the running mean of the beliefs
-of all observed requests, started flat. A new request starts at the prior; a request that has
-not speculated for a while drifts back to it (and is re-probed when the prior says it pays).
-
-Survival follows from the same model, including the chance that the level changes inside the
-chain; a mixture of levels gives the right shape: having survived j-1 positions makes the high
-levels more likely, so a_j = s_j / s_{j-1} rises with j as real acceptance data does:
-
-    v = b;  for j = 1..D:  v_l <- v_l * a_l;  s_j = sum(v);
-                           v <- (1 - SWITCH) * v + SWITCH * s_j * prior
-
-Each position j therefore has its own survival and conditional acceptance per request. (A
-global per-position correction of the levels was tried and dropped: positions past the first
-are only observed on requests that survived, so such a factor mostly learned that selection
-effect instead of a depth effect of the drafter.)
+`AcceptanceEstimator` keeps a belief per request over a grid of acceptance levels (its doc
+gives the model and the survival recursion), a global prior learned from all requests, and a
+calibration of the survival per draft position; `AcceptanceKnowledge` is what of it carries
+over to a new scheduler.
 """
 
 from __future__ import annotations
@@ -40,7 +19,6 @@ import numpy as np
 LEVELS = np.array([0.05, 0.2, 0.35, 0.5, 0.6, 0.7, 0.8, 0.87, 0.93, 0.97])
 # Per-token probability that a request's level is redrawn from the prior. Drafter quality on
 # real text shifts over a few to a few tens of tokens; 0.08 is a mean stretch of ~12 tokens.
-# In the simulator, values from 0.04 to 0.15 changed throughput by under 1% (code and prose).
 SWITCH = 0.08
 # Weight of one observed request's belief in the global prior: a running mean over the first
 # observations (PRIOR_COUNT pseudo-observations for the configured prior), then an EMA over the
@@ -50,10 +28,10 @@ PRIOR_COUNT = 20.0
 MAX_ACCEPTANCE = 0.995
 # Calibration of the survival per draft position: realized / predicted survival over the
 # positions actually drafted, each with the prediction of the request's belief when observed.
-# The level model's one SWITCH rate cannot fit every text: in the simulator it over-predicted
-# the extra tokens of prose-like chains by ~10% (its easy stretches are shorter than ~12
-# tokens) and under-predicted code-like ones by ~18%, enough to speculate at a loss on prose
-# and to stay in AR on code. Every drafted position is an unbiased sample of "position j
+# The level model's one SWITCH rate cannot fit every text: it over-predicts the extra tokens of
+# chains on text whose easy stretches are shorter than its ~12 tokens (prose-like) and
+# under-predicts them where they are longer (code-like), enough to speculate at a loss on the
+# one and to stay in AR on the other. Every drafted position is an unbiased sample of "position j
 # accepted" against its predicted s_j (whether the chain survived so far or not), so the ratio
 # carries no survival selection. CALIB_WINDOW: observations per position in the running sums
 # (~a second of serving at C = 32); CALIB_PSEUDO: pseudo-observations at ratio 1, so a few
@@ -63,11 +41,8 @@ CALIB_PSEUDO = 20.0
 CALIB_RANGE = (0.5, 2.0)
 # A probe's drafted positions (AdaptivePolicy.probe) count this many times in the calibration
 # sums: a probe is made while the prior rests on little evidence, and its few positions are
-# then the only ones; counted once, the pseudo-observations outweighed them, and a batch left
-# in AR on the prior's deep positions stayed there (code-like text at C = 16). In the simulator
-# (the H200 profile of 2026-11-30 10:19 UTC, its three variants, 6 seeds, C = 1..32): 6 points
-# below 0.98 at 1 (worst 0.927, geometric mean 1.0071), 9 at 4, 6 at 10 (worst 0.953, 1.0094),
-# 8 at 20; refill at C = 64 unchanged.
+# then the only ones; counted once, the pseudo-observations outweigh them, and a batch left in
+# AR on the prior's deep positions stays there.
 PROBE_CALIB_WEIGHT = 10.0
 # Recent evidence: request-rounds observed, decayed per round by RECENT_DECAY (half-life ~700
 # rounds, a few seconds of serving). While it is below PROBE_OBSERVATIONS the prior rests on
@@ -96,6 +71,36 @@ class AcceptanceKnowledge:
 
 
 class AcceptanceEstimator:
+    """Beliefs over acceptance levels, one per slot, and what they say about survival.
+
+    How well a drafter does on a request changes along the text (code vs prose, boilerplate vs
+    a tricky passage), and it persists for a while. Each request therefore carries a *belief*
+    over a fixed grid of acceptance levels `a_l` (a discrete Bayesian filter):
+
+        observe position with outcome x:  b_l <- b_l * (a_l if x else 1 - a_l), then normalised
+        each generated token:             b <- (1 - SWITCH) * b + SWITCH * prior
+                                          (the level may have changed to any other, as often
+                                          as the global statistics say)
+
+    `prior` is the drafter's global distribution over the levels: the running mean of the
+    beliefs of all observed requests, started near the configured acceptance. A new request
+    starts at the prior; a request that has not speculated for a while drifts back to it (and
+    is re-probed when the prior says it pays).
+
+    Survival follows from the same model, including the chance that the level changes inside
+    the chain; a mixture of levels gives the right shape: having survived j-1 positions makes
+    the high levels more likely, so a_j = s_j / s_{j-1} rises with j as real acceptance does:
+
+        v = b;  for j = 1..D:  v_l <- v_l * a_l;  s_j = sum(v);
+                               v <- (1 - SWITCH) * v + SWITCH * s_j * prior
+
+    Each position j therefore has its own survival and conditional acceptance per request.
+    The levels themselves get no global per-position correction: positions past the first are
+    only observed on requests that survived, so such a factor would mostly learn that
+    selection effect instead of a depth effect of the drafter. The calibration of the survival
+    per position (CALIB_WINDOW) has no such bias: it compares every drafted position with the
+    survival predicted for it."""
+
     def __init__(self, num_slots: int, max_drafts: int, prior_acceptance: float = 0.7):
         self.max_drafts = max(max_drafts, 1)
         self.levels = LEVELS  # [L]
@@ -176,7 +181,7 @@ class AcceptanceEstimator:
         return belief @ self.survival_matrix()
 
     def survival_matrix(self) -> np.ndarray:
-        """[L, D] survival as a linear map of the belief. The recursion of the module doc is
+        """[L, D] survival as a linear map of the belief. The recursion of the class doc is
         linear in v (s_j = sum(v) is), so the row of level l is the survival of a request known
         to be at level l, and any belief mixes the rows. Depends on the prior only: rebuilt
         after the prior moves (once per observed round), not per request."""
@@ -239,9 +244,8 @@ class AcceptanceEstimator:
         self._calibrate(b, num_drafted, num_accepted, calib_weight)
         # The global prior learns from first positions only: they are observed on every
         # speculating request, while deeper ones only on chains that survived so far. Fed with
-        # whole chains, the prior drifted below the observed first-position acceptance in the
-        # simulator (mixed cohort, C = 256: 0.64 against 0.66 observed on first positions),
-        # enough to keep a batch of 256 in AR at its break-even.
+        # whole chains, the prior would drift below the observed first-position acceptance,
+        # enough to keep a large batch in AR at its break-even.
         first = b * np.where((num_accepted > 0)[:, None], self.levels, 1.0 - self.levels)
         first /= first.sum(1, keepdims=True)  # [n, L]
         num_observed = np.minimum(num_accepted + 1, num_drafted)  # [n]

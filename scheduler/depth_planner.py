@@ -1,31 +1,9 @@
 """Which decoding requests speculate this round, and how deep: maximise expected tokens per ms.
 
-Expected tokens of the round: every decoding request emits 1 token (the AR row, or the
-bonus/correction token of its chain), plus for each chosen draft position (i, j) its survival
-probability s_ij = a_i1 * ... * a_ij, weighted by the request's value weight w_i (1, or less
-while draining). Position (i, j) can only be taken after (i, j-1); since s_ij falls with j,
-ranking all positions by value keeps every request's positions a prefix automatically.
-
-The round time is not additive: target rows are padded to a graph bucket, the drafter chain
-costs one step per position of the *deepest* request (d_max) over all speculating requests, and
-the first step also catches the drafter up on tokens it missed (the rows of every catching-up
-request of a prefix go through that one step together: see Catchup). So for every cap c = d_max in
-1..D we rank the positions with j <= c by value (a marginal-gain order: each next position adds
-its survival probability and one row), evaluate every prefix of that ranking with the exact
-cost (buckets, drafter, KV term, calibration), and keep the best prefix over all caps, or no
-speculation at all when that is better. The search is one argsort of n * D values, then per
-cap a dozen array operations over its own n * c ranked positions (n * D * (D + 1) / 2 values
-in all, every array at most n * D long: small enough to stay in the allocator's pools, where
-one [D, n * D] grid of temporaries paged memory in and out every round).
-
-What "best" means: the long-run rate is total tokens / total time, and the rounds' states
-differ (a request is easy now, hard later). Maximising each round's own ratio tokens / ms would
-compare a position's survival with *this* round's rate: too low a bar while requests are hard
-(over-speculating) and too high a bar while they are easy. The renewal-reward optimum instead
-maximises `tokens - rate_bar * ms` every round, where `rate_bar` is the long-run rate of the
-regime (Dinkelbach's parametric form of a ratio objective): a position is taken when its
-survival pays for its marginal time at the rate the server earns on average. The policy passes
-the regime's rate (see policy.py); rate_bar = 0 keeps the plain per-round ratio.
+`plan_depths` ranks every (request, draft position) by value and prices every prefix of that
+ranking with the exact round cost (graph buckets, drafter chain, KV term, calibration) for each
+cap on the deepest chain, keeping the best prefix or no speculation at all; its doc gives the
+objective. `Catchup` is how drafter catch-ups enter the price of a prefix.
 """
 
 from __future__ import annotations
@@ -44,12 +22,12 @@ class Catchup:
     The catch-up rows of every request that speculates in a round go through one first step
     (one forward, or passes of a few rows per request), so what a lagging request costs is
     what its rows add to that shared step, not a forward of its own: an eager forward of the
-    draft model is bound by its kernel launches (~15 ms for 256 to 1024 rows in the H200
-    profile), and pricing each request's whole-prompt catch-up as one such forward charged a
-    batch of 16 lagging requests 16 forwards where the round runs one. A prefix's catch-up is
+    draft model is bound by its kernel launches (about as dear for 256 rows as for 1024), and
+    pricing each request's whole-prompt catch-up as one such forward would charge a batch of
+    16 lagging requests 16 forwards where the round runs one. A prefix's catch-up is
     priced as the cost model's first step over all its lag rows, less the plain step, and
     split among its requests by lag rows; each request's part is charged at its `share` (the
-    fraction of its catch-up this round carries, see policy.catchup_share)."""
+    fraction of its catch-up this round carries, see catchup_pricing.catchup_share)."""
 
     lag_rows: np.ndarray  # [n] context rows each request's drafter has not seen
     share: np.ndarray  # [n] fraction of its catch-up charged to this round
@@ -100,6 +78,35 @@ def plan_depths(
     num_prefill_rows: int,
     rate_bar: float = 0.0,
 ) -> DepthChoice:
+    """The drafts per request that maximise the round's objective, with its predicted cost.
+
+    Expected tokens of the round: every decoding request emits 1 token (the AR row, or the
+    bonus/correction token of its chain), plus for each chosen draft position (i, j) its
+    survival probability s_ij = a_i1 * ... * a_ij, weighted by the request's value weight w_i
+    (1, or less while draining). Position (i, j) can only be taken after (i, j-1); since s_ij
+    falls with j, ranking all positions by value keeps every request's positions a prefix.
+
+    The round time is not additive: target rows are padded to a graph bucket, the drafter
+    chain costs one step per position of the *deepest* request (d_max) over all speculating
+    requests, and the first step also catches the drafter up on tokens it missed (the rows of
+    every catching-up request of a prefix go through that one step together: Catchup). So for
+    every cap c = d_max in 1..D the positions with j <= c are ranked by value (a marginal-gain
+    order: each next position adds its survival probability and one row), every prefix of
+    that ranking is priced exactly, and the best prefix over all caps is kept, or no
+    speculation at all when that is better. The search is one argsort of n * D values, then
+    per cap a dozen array operations over its own n * c ranked positions (n * D * (D + 1) / 2
+    values in all, every array at most n * D long: small enough to stay in the allocator's
+    pools, where one [D, n * D] grid of temporaries would page memory in and out every round).
+
+    What "best" means: the long-run rate is total tokens / total time, and the rounds' states
+    differ (a request is easy now, hard later). Maximising each round's own ratio tokens / ms
+    would compare a position's survival with *this* round's rate: too low a bar while requests
+    are hard (over-speculating) and too high a bar while they are easy. The renewal-reward
+    optimum instead maximises `tokens - rate_bar * ms` every round, where `rate_bar` is the
+    long-run rate of the regime (Dinkelbach's parametric form of a ratio objective): a
+    position is taken when its survival pays for its marginal time at the rate the server
+    earns on average. The policy passes the regime's rate (policy.RateTracker); rate_bar = 0
+    keeps the plain per-round ratio."""
     n, max_drafts = survival.shape
     ar_ms = cost_model.predict_ms_scalar(base_rows, base_kv_tokens, 0, 0, 0, num_prefill_rows)
     none = DepthChoice(np.zeros(n, dtype=np.int64), ar_ms, base_tokens, ar_ms, base_tokens)

@@ -4,9 +4,10 @@ one gets (0: AR). The scheduler owns lifecycle and KV; a policy only picks depth
 `AdaptivePolicy` is the product's policy (`--spec-mode adaptive`): survival probabilities from
 the per-request acceptance estimators, the calibrated cost model, the depth planner (drafts
 priced as in the decode round of the live batch, a drafter's catch-up spread over the
-request's own SPEC rounds), plus hysteresis and a minimum dwell so a request near the boundary
-does not flip every round, and a probe while the estimators' prior rests on little evidence.
-`AllSpecPolicy` (`--spec-mode spec`) and `AllARPolicy` (`--spec-mode ar`) are the fixed modes.
+request's own SPEC rounds: scheduler/catchup_pricing.py), plus hysteresis and a minimum dwell
+so a request near the boundary does not flip every round, and a probe while the estimators'
+prior rests on little evidence. `AllSpecPolicy` (`--spec-mode spec`) and `AllARPolicy`
+(`--spec-mode ar`) are the fixed modes.
 """
 
 from __future__ import annotations
@@ -17,78 +18,60 @@ from typing import Protocol
 import numpy as np
 
 from scheduler.acceptance import AcceptanceEstimator
+from scheduler.catchup_pricing import (
+    SpecStretches,
+    catchup_share,
+    deferred_catchups,
+    full_catchup_ms,
+    joint_catchup_ms,
+)
 from scheduler.cost_model import CostModel
 from scheduler.depth_planner import FORCE_KEY, Catchup, plan_depths
 
 # Hysteresis: while a request speculates its draft positions are valued at survival x
 # (1 + HYSTERESIS), so leaving speculation needs a 3% worse estimate than break-even: enough
 # to absorb estimates that move by a few per cent from round to round, small against the gap
-# between easy and hard states (0.93 vs 0.55 acceptance on code-like text). The way back in
-# has a natural hysteresis already: the drafter's catch-up on the tokens it missed. A penalty
-# on that side too kept most requests in AR at C = 128 in the simulator (incumbent AR plus
-# catch-up never paid), so it is one-sided.
+# between a drafter's easy and hard stretches of text. One-sided: the way back in has its own
+# hysteresis, the drafter's catch-up on the tokens it missed, and a penalty on top would keep
+# requests that sit in AR there for good (their catch-up plus the penalty never pays).
 HYSTERESIS = 0.03
 # Minimum dwell: after a switch a request keeps its new mode for this many rounds, so that
 # switching to speculation yields at least one observation before it can be dropped again.
 # Arrivals and departures lift the dwell: the plan is re-made at once on a new cohort.
 MIN_DWELL_ROUNDS = 2
-# Catch-up amortisation (see amortized_catchup_ms): once caught up, the drafter stays caught
-# up while the request speculates, so the catch-up serves every round the request has left:
-# its remaining tokens over the tokens one of its SPEC rounds makes (1 + its survival sum),
-# capped at 512 rounds so that a very long request does not treat any catch-up as free.
-# (A fixed 1.5 tokens per round, the lowest mean accepted length on prose-like text, stretched
-# the horizon of code-like requests ~3x, and they caught up on whole prompts that their few
-# remaining SPEC rounds never paid back: per request, the refill throughput of code-like text
-# at C = 64 went from 0.62x to 0.85x all-AR in the simulator, the round pricing already fixed.)
-CATCHUP_HORIZON_ROUNDS = 512.0
 # Decisions between two checks of whether a probe could pay at all for a batch of the same
 # size (AdaptivePolicy.probe_can_pay: one more search, so not every round while the evidence
 # is stale).
 PROBE_RECHECK_ROUNDS = 64
 # A probe drafts as deep as its request's survival stays at or above this (at least 1 draft;
 # from the configured prior of 0.7: 2). Probes of one first position tell the prior about first
-# positions only, and on code-like text it is the deep positions that pay: in the simulator
-# (the H200 profile of 2026-11-30 10:19 UTC, 12 seeds) adaptive at code-like C = 16 never left
-# AR in 4 of 12 runs with one-draft probes (0.927x the better fixed policy) and in 2 of 12 at
-# 0.5 (0.948x); 0.4 did as well (0.954x) but put prose-like C = 16 at 0.978x in the one-seed
-# check on the older measured profile (tests/scheduler/test_policy_check.py); 0.55 and 0.6 (one
-# draft until a probe was accepted) stayed in AR in 5 and 6 of 12. Elsewhere at C = 1..16
-# within +-0.5% but mixed C = 2 (1.087x -> 1.075x); refill at C = 64 0.2-0.4% lower (the
-# fill's probes are deeper).
+# positions only, and on code-like text it is the deep positions that pay, so a batch probed
+# one position at a time can stay in AR on a drafter that would pay; a lower threshold makes
+# every probe deeper, and dearer where speculation does not pay (prose-like text).
 PROBE_DEPTH_SURVIVAL = 0.5
 # A request that has never drafted is probed once on its own (AdaptivePolicy.first_probe) when the
 # probe, its catch-up included, costs at most this share of the batch time the request will
 # take (its remaining tokens x the AR round / the batch size), and speculation could pay at all
-# (probe_can_pay). The global probe asks only while the prior rests on little evidence: on a
-# mixed workload the prior learned from the requests before says nothing of the next one, and
-# a code-like request after a prose-like one was never tried (H200, mixed at C = 1: after the
-# first request's 23 speculating rounds every later request stayed in AR, 0.81x all-spec; with
-# this rule, in a reduced H200 check, 1.125x). In the simulator (6 seeds, C = 1..32, two H200
-# profiles): mixed text at C = 1..4 +1-6%, prose-like text at C = 1 -0.2-0.6%; 0.02 and 0.03
-# gained up to 2% more on mixed C = 2..4 and cost prose-like C = 2..4 up to 0.8% more
-# (docs/perf/scheduler.md).
+# (probe_can_pay). The global probe asks only while the prior rests on little evidence, and on
+# a mixed workload the prior learned from the requests before says nothing of the next one:
+# without this rule a code-like request after prose-like ones is never tried. A larger share
+# gains more on mixed text and costs prose-like text more.
 PROBE_NEW_SHARE = 0.015
 # Entry margin: a plan in which nobody speculated last round and whose entrants must catch their
 # drafters up is taken only at a predicted gain of at least ENTRY_MARGIN x the entrants' share
 # of the batch. Such an entry is priced with its catch-up spread over the SPEC rounds the
-# request is expected to stay; on prose-like text it stayed one or two (H200, 2026-11-30 06:20
-# UTC, prose C = 1: entries at +0.1% to +1.4% predicted, a 2.6-5.2 ms catch-up each, out again
-# after two rounds). In the simulator (the profile of the H200 record of 08:41 UTC, 6 seeds,
-# C = 1..32, three profile variants): points below 0.98 x the better fixed policy 9 -> 8,
-# prose C = 2 0.985 -> 0.991, the mixed cohort's lead at C = 1..4 2-4% smaller (still
-# 1.07-1.14x; docs/perf/scheduler.md). Entries without a catch-up (a model-free drafter) keep
-# the plain break-even (as a margin on every entry, 0.05 took prose-like text at C = 32 with
-# the n-gram drafter from 1.005 to 0.968).
+# request is expected to stay, and near break-even (prose-like text) a request stays only a
+# round or two, so a small predicted gain does not pay the catch-up back. Entries without a
+# catch-up (a model-free drafter) keep the plain break-even: a margin on every entry costs
+# where entering is cheap.
 ENTRY_MARGIN = 0.05
 # Yield calibration (YieldTracker): the discount of one speculating round's evidence (memory ~50
 # rounds), of the evidence per decode round without speculation, the prior's weight in expected
 # accepted drafts, and the bounds of the factor. The evidence outlives AR stretches (half-life
-# ~350 decode rounds): relaxed at 0.98 per round (half-life 35), it was gone after the AR
-# stretch between two entries, and each entry was again made on the estimators' word. In the
-# simulator (H200 profile of 2026-11-30 06:10 UTC, C = 1..32, code / prose / mixed, 3 seeds):
-# 8 points below 0.98 x the better fixed policy at 0.98, 6 at 0.998 (prose C = 1, 2, 4: 0.973,
-# 0.975, 0.974 -> 0.976, 0.988, 0.983), 7 with no relaxing at all (mixed C = 1: 1.093 -> 1.034,
-# the cohort's code-like requests kept out by the prose-like ones' evidence).
+# ~350 decode rounds): relaxed faster, it is gone after the AR stretch between two entries and
+# each entry is again made on the estimators' word alone; never relaxed, the evidence of one
+# part of a cohort keeps another out (the code-like requests of a mixed cohort, held back by
+# the prose-like ones').
 YIELD_DISCOUNT = 0.98
 YIELD_RELAX = 0.998
 YIELD_PRIOR_DRAFTS = 50.0
@@ -149,9 +132,8 @@ class RateTracker:
     has a lower AR rate and with it a lower bar. Starting at 1 (the AR rate), the bar climbs to
     the rate the policy actually achieves (Dinkelbach's iteration, one step per round).
     The scheduler feeds it decode-only rounds only: next to a prefill chunk drafts ride on an
-    expensive eager forward almost for free, and the uplift of those rounds (1.9x AR on the
-    mixed cohort at C = 256 in the simulator) held the bar of the decode rounds after them far
-    above anything they could reach, so a full batch stayed in AR.
+    expensive eager forward almost for free, and the uplift of those rounds would hold the bar
+    of the decode rounds after them above anything they can reach, keeping a full batch in AR.
     """
 
     def __init__(self, alpha: float = RATE_ALPHA):
@@ -182,15 +164,12 @@ class YieldTracker:
 
     The estimators learn each request's acceptance from its drafted positions, but the policy
     picks which requests draft by those very estimates: requests are chosen when their estimate
-    is high, luck included, and then accept less than it said (the winner's curse). On the H200
-    (prose-like text, C = 8) a batch speculated for 71 rounds at 0.73x the AR rate of its AR
-    rounds, and prose-like requests accepted 0.45-0.69 of the drafts their estimates expected
-    (`docs/perf/gpu.md`). The realised yield is what the choice actually earns, so it
-    corrects the estimates where the choice is made. Sums rather than a per-round average: a
-    batch of one request, whose rounds expect 3 drafts and accept 0 or 7, moves the factor by
-    its evidence only. While nobody speculates the evidence fades (YIELD_RELAX per decode
-    round) and the factor returns to 1, so a cohort that changed is tried again on its
-    estimators' word."""
+    is high, luck included, and then accept less than it said (the winner's curse). The
+    realised yield is what the choice actually earns, so it corrects the estimates where the
+    choice is made. Sums rather than a per-round average: a batch of one request, whose rounds
+    expect 3 drafts and accept 0 or 7, moves the factor by its evidence only. While nobody
+    speculates the evidence fades (YIELD_RELAX per decode round) and the factor returns to 1,
+    so a cohort that changed is tried again on its estimators' word."""
 
     def __init__(self):
         self._expected = 0.0  # discounted sum of the drafts the estimators expected accepted
@@ -213,110 +192,6 @@ class YieldTracker:
         """One decode round without drafts: the evidence fades."""
         self._expected *= YIELD_RELAX
         self._accepted *= YIELD_RELAX
-
-
-class SpecStretches:
-    """How long each request keeps speculating once it has started: its own exit rate.
-
-    A catch-up is paid back only by the SPEC rounds that follow it until the request leaves
-    speculation, not by the request's whole remaining life: a request whose speculation rests
-    on a lucky belief (prose-like text near break-even) drops back to AR after a round or two,
-    and its drafter must catch up again on the next entry. In the simulator (2026-11-30 H200
-    profile, prose at C = 1..2) entries priced over the request's life took 16-21% of
-    request-rounds into speculation at 0.96x all-AR throughput. Each request's stretch is
-    geometric in this estimate: (its SPEC rounds + 1) / (its exits + 1 / CATCHUP_HORIZON_ROUNDS),
-    so a request that has not left speculation yet (a new one too) keeps the whole horizon,
-    and one that left after two rounds expects about three. Per request, not per batch: on
-    mixed text the prose-like requests' exits must not shorten the code-like ones' horizon."""
-
-    def __init__(self):
-        self._req_id = np.full(0, -1, dtype=np.int64)  # [slots] request the counts belong to
-        self._spec_rounds = np.zeros(0)  # [slots]
-        self._exits = np.zeros(0)  # [slots]
-
-    def _rows(self, view: DecodeView) -> np.ndarray:
-        slots = view.slots
-        size = int(slots.max(initial=-1)) + 1
-        if size > len(self._req_id):  # grow to the largest slot seen
-            grow = size - len(self._req_id)
-            self._req_id = np.concatenate([self._req_id, np.full(grow, -1, dtype=np.int64)])
-            self._spec_rounds = np.concatenate([self._spec_rounds, np.zeros(grow)])
-            self._exits = np.concatenate([self._exits, np.zeros(grow)])
-        fresh = self._req_id[slots] != view.req_ids
-        if fresh.any():  # a new request in the slot starts without history
-            self._req_id[slots[fresh]] = view.req_ids[fresh]
-            self._spec_rounds[slots[fresh]] = 0.0
-            self._exits[slots[fresh]] = 0.0
-        return slots
-
-    def never_drafted(self, view: DecodeView) -> np.ndarray:
-        """[n] requests that have not drafted yet (a probe counts as a SPEC round here)."""
-        return self._spec_rounds[self._rows(view)] == 0
-
-    def expected_rounds(self, view: DecodeView) -> np.ndarray:
-        """[n] expected SPEC rounds of each request's next stretch."""
-        rows = self._rows(view)
-        return (self._spec_rounds[rows] + 1.0) / (self._exits[rows] + 1.0 / CATCHUP_HORIZON_ROUNDS)
-
-    def observe(self, view: DecodeView, num_draft: np.ndarray) -> None:
-        """One decision: requests that speculated last round and now do not have exited. (A
-        decision made ahead and then remade counts twice; both counts scale alike.)"""
-        rows = self._rows(view)
-        self._spec_rounds[rows] += num_draft > 0
-        self._exits[rows] += view.was_spec & (num_draft == 0)
-
-
-def catchup_share(
-    view: DecodeView, survival: np.ndarray, max_rounds: np.ndarray | float = CATCHUP_HORIZON_ROUNDS
-) -> np.ndarray:
-    """[n] the fraction of a request's drafter catch-up charged to one of its SPEC rounds.
-
-    Catching the drafter up (after a prefill or AR rounds) is paid once and enables every
-    later SPEC round of the request, so it is spread over the rounds the request can still
-    speculate: its remaining tokens over the tokens one of its SPEC rounds makes at full
-    usable depth (1 + sum of its survival), at most CATCHUP_HORIZON_ROUNDS. The charge is the
-    catch-up's cost in ms / horizon whatever the shape of the step-time curve (spreading lag
-    *rows* instead priced them where the curve is flat or on its tail depending on the
-    batch). (The predicted and measured round times keep the full catch-up.)"""
-    tokens_per_round = 1.0 + survival.sum(1)  # [n]
-    horizon = np.minimum(view.num_remaining / tokens_per_round, max_rounds)  # [n]
-    return 1.0 / np.clip(horizon, 1.0, CATCHUP_HORIZON_ROUNDS)
-
-
-def amortized_catchup_ms(
-    view: DecodeView, survival: np.ndarray, cost_model: CostModel
-) -> np.ndarray:
-    """[n] drafter catch-up ms charged to a request's SPEC round were it the only one to
-    catch up (full_catchup_ms x catchup_share)."""
-    full = full_catchup_ms(view, cost_model)
-    if not full.any():
-        return full
-    return full * catchup_share(view, survival)
-
-
-def joint_catchup_ms(view: DecodeView, share: np.ndarray, cost_model: CostModel) -> np.ndarray:
-    """[n] drafter catch-up ms charged to a request's SPEC round when every lagging request
-    catches up in it: the first step over all their lag rows less the plain step, split by
-    lag rows (depth_planner.Catchup), times the request's share."""
-    lag = view.drafter_lag
-    total = int(lag.sum())
-    if not total:
-        return np.zeros(len(lag))
-    n = len(lag)
-    first_step = cost_model.profile.first_step_ms_scalar
-    joint = max(first_step(n, total) - first_step(n, 0), 0.0)
-    return joint * lag / total * share
-
-
-def full_catchup_ms(view: DecodeView, cost_model: CostModel) -> np.ndarray:
-    """[n] ms each request's lag adds to the chain's first step over the batch (0 without
-    lag), as the cost model prices that step (one forward, or passes of a few rows each)."""
-    lag = view.drafter_lag
-    if not lag.any():
-        return np.zeros(len(lag))
-    first_step = cost_model.profile.first_step_ms
-    rows = np.full(len(lag), len(lag))
-    return first_step(rows, lag) - first_step(rows, np.zeros_like(lag))
 
 
 @dataclass(frozen=True)
@@ -362,20 +237,17 @@ def decode_basis(
     Next to a prefill chunk a draft rides on an eager forward of thousands of rows: its rows
     cost almost nothing, the round's own all-AR rate (the scheduler's bar: uplift x that
     rate) is a few tokens over tens of ms, and the drafter's catch-up on whole prompts,
-    amortised against that round's gain, looked cheap. Those rounds took 1.8-1.9x their AR
-    time at C = 32..64 in the simulator and the refill throughput fell to 0.5-0.6x all-AR
-    at C = 64..128; the gain that pays a catch-up back is the one of the decode rounds that
-    follow. So a round with prefill chunks is planned as its decode-only part would be. And
-    while slots are still filling (live requests not decoding yet), a ms spent now delays the
-    whole live batch: the bar is the uplift times the decode-only AR rate of all live
-    requests.
+    amortised against that round's gain, would look cheap; but the gain that pays a catch-up
+    back is the one of the decode rounds that follow. So a round with prefill chunks is
+    planned as its decode-only part would be. And while slots are still filling (live requests
+    not decoding yet), a ms spent now delays the whole live batch: the bar is the uplift times
+    the decode-only AR rate of all live requests.
 
     The uplift over AR is earned by requests whose drafter is caught up; requests that must
     catch up first cannot reach it before they have paid. So only the `caught_up_share` of
     the batch carries the uplift's excess over AR into the bar: a new wave of requests behind
     a first that speculated well is held to what it can reach, not locked out by the first
-    wave's rate (code-like text, draft steps x 0.5, C = 16: the second wave stayed in AR, 0.70
-    of all-spec, with the bar at 1.78x the AR rate in the simulator)."""
+    wave's rate."""
     n = len(view.req_ids)
     num_live = max(view.num_live, n)
     plain = view.num_prefill_rows == 0 and num_live == n
@@ -413,12 +285,12 @@ def entry_key(
     """Ranks a lagging request's positions by what they are worth net of its catch-up.
 
     The planner takes positions in key order and keeps the best prefix. Ranked by survival
-    alone, the first position of a request whose drafter must catch up came as early as any
-    other of the same survival, so a prefix could take a caught-up request's deeper positions
-    only together with costly entries of others. A lagging request is now worth its best mean
-    net value per position, max_d (s_1 + ... + s_d - catch-up in tokens at the bar) / d, and
-    none of its positions ranks above that (they stay a prefix); one whose survival never pays
-    its catch-up back is left out."""
+    alone, the first position of a request whose drafter must catch up would come as early as
+    any other of the same survival, so a prefix could take a caught-up request's deeper
+    positions only together with costly entries of others. So a lagging request is worth its
+    best mean net value per position, max_d (s_1 + ... + s_d - catch-up in tokens at the bar)
+    / d, and none of its positions ranks above that (they stay a prefix); one whose survival
+    never pays its catch-up back is left out."""
     lagging = (catchup_ms > 0) & (key[:, 0] > 0) & (key[:, 0] < FORCE_KEY)
     if not lagging.any():
         return
@@ -432,25 +304,6 @@ def entry_key(
     depth = np.arange(1, key.shape[1] + 1)  # [D]
     net = (np.cumsum(value[rows], axis=1) - (bar * catchup_ms[rows])[:, None]) / depth  # [r, D]
     key[rows] = np.minimum(key[rows], net.max(axis=1)[:, None])
-
-
-def deferred_catchups(view: DecodeView, profile) -> np.ndarray:
-    """[n] bool: requests that do not start speculating in this round, which carries a prefill
-    chunk, because their drafter would catch up in a forward of its own.
-
-    A catch-up longer than the drafter's graphed passes (catchup_rows_per_pass rows per request,
-    at most max_catchup_passes of them; every catch-up when the profile has no passes) is one
-    eager forward, bound by its launches: ~15 ms whether it holds one request's prompt or
-    sixteen (H200 profile, 256 to 1024 rows). Next to prefill chunks new requests arrive one
-    or two per round, so starting them there pays that forward for each of them; deferred to
-    the next decode-only round they catch up together in one. In the simulator (2026-11-30
-    H200 profile) this took draft-half code-like text at C = 128 from 0.96x to 1.03x all-AR
-    refill throughput and C = 64 from 0.98x to 1.06x, and code-like text at C = 8 from 1.05x
-    to 1.07x all-spec in full-live rounds. Requests asked to speculate ("on") are never held
-    back, and a probe (one observation for the prior) may still take one: held back, the
-    probes of a prefill-heavy start moved into the decode-only rounds."""
-    capacity = profile.catchup_rows_per_pass * profile.max_catchup_passes
-    return (view.drafter_lag > capacity) & ~view.was_spec & ~view.must_spec
 
 
 def depth_caps(view: DecodeView) -> np.ndarray:
@@ -511,10 +364,9 @@ class AdaptivePolicy:
         usable = survival > 0
         key = np.where(usable, value, -1.0)
         # A probe is one observation for the prior, not a switch: the dwell does not hold its
-        # request in speculation. (Held, its catch-up looked sunk, and the planner took the
-        # rest of a lagging batch into one shared catch-up behind it: 61 of 64 prose-like
-        # requests at a predicted -7% against all-AR in the simulator, then two rounds of
-        # dwell for all of them.)
+        # request in speculation. (Held, its catch-up would look sunk, and the planner would
+        # take the rest of a lagging batch into one shared catch-up behind it, each then held
+        # by the dwell.)
         probed = view.req_ids == self._probe_req_id  # [n]
         hold = view.in_dwell & (not view.cohort_changed) & ~probed
         force = view.may_spec & (view.must_spec | (hold & view.was_spec)) & usable[:, 0]
@@ -542,12 +394,8 @@ class AdaptivePolicy:
             # AR rate. The bar is the realised rate of the last ~20 rounds; a batch that falls
             # below it (a lucky stretch behind it, a refill of harder requests) has nothing
             # better to spend the saved time on than its own rounds, and an AR round launched
-            # ahead keeps the next ones AR (planned behind it, then held by the dwell) until
-            # the bar has decayed. On the H200 (ngram, mixed, C = 16, 2026-11-30 17:36 and
-            # 17:46 UTC) such exits put 4-5 of ~40 full-live rounds in AR at 0.7x the rate
-            # of the speculating ones: adaptive at 0.89x all-spec. In the simulator (the
-            # same record's profile, its three variants, C = 1..128, 4 seeds) the points
-            # below 0.98 x the better fixed policy went from 11 to 7, geometric mean +0.5%.
+            # ahead would keep the next ones AR (planned behind it, then held by the dwell)
+            # until the bar has decayed, each at a fraction of the speculating rounds' rate.
             plain = replace(basis, rate_bar=0.0)
             choice = plan_in_basis(value, key, view, catchup, cost_model, plain)
         num_draft = choice.num_draft
@@ -594,9 +442,9 @@ class AdaptivePolicy:
         over the `num_tokens` those prompts' requests will generate than the drafter's forward
         over the prompts costs (`follow_ms`). Each token of a batch costs 1 / its rate of the
         batch's time, so speculating saves num_tokens x (1 / AR rate - 1 / speculating rate).
-        (Asked only whether it would speculate, auto followed every prompt at C = 64 on a
-        profile whose drafter paid ~15 ms of launches per followed round: 0.62x all-AR refill
-        tokens/s in the simulator, with no speculating round at all.) Changes no state."""
+        Whether it would speculate at all is not enough: a drafter that pays a launch-bound
+        forward per followed round can cost more than all the speculation it enables saves.
+        Changes no state."""
         n = len(view.req_ids)
         if n == 0 or view.max_drafts == 0 or not view.may_spec.any():
             return False
@@ -633,8 +481,7 @@ class AdaptivePolicy:
         """Whether speculation would pay in this round if every request drafted at the best
         acceptance level of the estimator: if not even then, no probe outcome could change a
         decision (a compute-bound batch, a drafter too slow for it), and a probe's catch-up
-        and chain would be spent for nothing (1-2% of all-AR throughput at C = 8..128 in the
-        simulator)."""
+        and chain would be spent for nothing."""
         top = estimator.survival_matrix()[-1, : view.max_drafts]  # [D]
         best = usable_survival(view, np.broadcast_to(top, (len(view.req_ids), len(top))))
         key = np.where(best > 0, best, -1.0)

@@ -1,7 +1,7 @@
 """Does the adaptive policy hold against the better fixed policy? A grid through the simulator.
 
 For every profile variant, cohort and concurrency C the refill workload of the GPU benchmark
-(`loadtests/gpu_bench_measure.py`, its simulator task: C slots, max(2C, 4) requests, prompts
+(`loadtests/lab/gpu/measure.py`, its simulator task: C slots, max(2C, 4) requests, prompts
 uniform in [512, 1536], 128 output tokens, prefill budget 2048, decide_ahead) runs under
 adaptive, all-AR and all-spec for several seeds; the mean full-live tokens/s of each policy is
 compared:

@@ -10,14 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler.cost_model import (
-    CALIB_ALPHA,
-    CALIB_OUTLIER_RATIO,
-    CALIB_PRIOR_COUNT,
-    CostModel,
-    ProfileCost,
-    wide_pass_padded_rows,
-)
+from scheduler.cost_calibration import CALIB_ALPHA, CALIB_OUTLIER_RATIO, CALIB_PRIOR_COUNT
+from scheduler.cost_model import CostModel, ProfileCost
+from scheduler.cost_tables import wide_pass_padded_rows
 from tests.scheduler.test_lifecycle_invariants import PROFILE, PROFILES
 from tests.scheduler.test_policy_check import MEASURED_1130
 

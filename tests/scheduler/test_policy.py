@@ -5,16 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.acceptance import AcceptanceEstimator
+from scheduler.catchup_pricing import amortized_catchup_ms
 from scheduler.cost_model import CostModel
 from scheduler.depth_planner import plan_depths
 from scheduler.plan import Mode, SamplingSpec
-from scheduler.policy import (
-    HYSTERESIS,
-    MIN_DWELL_ROUNDS,
-    AdaptivePolicy,
-    DecodeView,
-    amortized_catchup_ms,
-)
+from scheduler.policy import HYSTERESIS, MIN_DWELL_ROUNDS, AdaptivePolicy, DecodeView
 from scheduler.request import RequestSpec
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sim.acceptance_model import AcceptanceClass

@@ -14,16 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.acceptance import AcceptanceEstimator
-from scheduler.depth_planner import Catchup, plan_depths, prefix_catchup_ms
-from scheduler.policy import (
+from scheduler.catchup_pricing import (
     CATCHUP_HORIZON_ROUNDS,
-    AdaptivePolicy,
     SpecStretches,
     amortized_catchup_ms,
     catchup_share,
     deferred_catchups,
     joint_catchup_ms,
 )
+from scheduler.depth_planner import Catchup, plan_depths, prefix_catchup_ms
+from scheduler.policy import AdaptivePolicy
 from tests.scheduler.test_policy_check import MODEL_1130 as MODEL
 from tests.scheduler.test_policy_check import decode_view
 

@@ -12,14 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.acceptance import PROBE_OBSERVATIONS, AcceptanceEstimator
+from scheduler.catchup_pricing import CATCHUP_HORIZON_ROUNDS, amortized_catchup_ms
 from scheduler.cost_model import CostModel, ProfileCost
 from scheduler.depth_planner import plan_depths
 from scheduler.policy import (
-    CATCHUP_HORIZON_ROUNDS,
     PROBE_DEPTH_SURVIVAL,
     AdaptivePolicy,
     DecodeView,
-    amortized_catchup_ms,
     decode_basis,
     entry_key,
 )
