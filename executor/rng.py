@@ -1,7 +1,6 @@
 """Counter-based random numbers on the device, keyed per request.
 
-Every random number the sampler uses is a pure function of
-`(seed, step, stream, counter)`:
+Every random number the sampler uses is a pure function of `(seed, step, stream, counter)`:
 - `seed`: the request's seed (its own, or one derived from the engine's base seed and req_id);
 - `step`: a per-request counter that differs for every token the request samples (the
   executor passes the token's position in the sequence);
@@ -9,8 +8,8 @@ Every random number the sampler uses is a pure function of
   the same token never share numbers;
 - `counter`: the vocabulary index (exponential race) or the index of a uniform.
 
-The batch row is deliberately not part of the key: a seeded request draws the same numbers
-whatever else is in the batch, at whatever row, through AR or speculative rounds alike.
+The batch row is not part of the key: a seeded request draws the same numbers whatever else is
+in the batch, at whatever row, through AR or speculative rounds alike.
 
 The hash is a 32-bit integer mixer (`mix32`); apart from one check per device (`prepare`), no
 host-device synchronisation happens.

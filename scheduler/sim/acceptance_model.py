@@ -4,19 +4,15 @@ implementation for the simulator and for the benchmarks' synthetic drafter
 
 Each request draws a class by weight. Within a request a two-state Markov chain (easy/hard)
 moves once per generated token; a drafted token is accepted with the probability of the state
-at its position, and a chain stops at its first rejection.
+at its position, and a chain stops at its first rejection: a chain of d drafts standing for
+generated tokens t .. t+d-1 accepts its longest prefix of acceptable positions.
 
 A request's trace (its class, its states and its acceptance coin per generated token) comes
-from its own random stream keyed by (seed, key, occurrence), so every policy faces exactly the
-same easy and hard stretches and the same lucky or unlucky draws (common random numbers):
-differences between policies come from their decisions alone. The synthetic drafter keys a
-request by its prompt (`trace_key`); the simulator by its request id, or by the keys a caller
-gives, e.g. the benchmark's prompts, so that the simulator replays the very traces the real run
-met. A chain of d drafts standing for generated tokens t .. t+d-1 accepts its longest prefix of
-acceptable positions.
-
-The oracle sees the state at the next position (not the draws) and gets the exact survival
-`s_j = P(positions t..t+j-1 all accepted | state[t])` from the chain's transition law.
+from its own random stream keyed by (seed, key, occurrence), so every policy faces the same
+draws (common random numbers) and reading a trace ahead changes nothing. The synthetic drafter
+keys a request by its prompt (`trace_key`); the simulator by its request id, or by keys a
+caller gives (a benchmark's prompts, to replay the traces its run met). The simulator's
+true-state policy gets the exact survival given a state (`true_survival`), clairvoyant the draws.
 """
 
 from __future__ import annotations

@@ -1,40 +1,42 @@
-"""Baseline speculation policies for the simulator, each written from its public description,
-plus the oracle. All plug into the real Scheduler through the SpecPolicy interface, so they
-share lifecycle, KV accounting, prefill and the executor; only the per-round depths differ.
+"""Baseline speculation policies for the simulator, each written from its public description.
+All plug into the real Scheduler through the SpecPolicy interface, so they share lifecycle, KV
+accounting, prefill and the executor; only the per-round depths differ. (true-state and clairvoyant,
+which read the acceptance model's hidden state: oracles.py.)
 
 - threshold:  vLLM's dynamic speculative decoding: an offline table maps the running batch size
-              to one speculation length for every request, profiled with the drafter's mean
-              acceptance.
-- goodput:    SmartSpec / TurboSpec: every step pick one k for all requests maximising goodput
+              to one speculation length for every request (profile and mean acceptance).
+- goodput:    SmartSpec / TurboSpec: every step one k for all requests maximising goodput
               sum_i (1 - a_i^(k+1)) / (1 - a_i) / T(k), a_i a moving average of each request's
               acceptance rate and T a linear fit of batch time (rows, KV, drafter steps).
-- sticky:     a per-request on/off gate decided once per cohort change (arrival or departure)
-              from the estimates at that moment, then kept: full depth if on.
+- sticky:     the seed system's gate: speculate a request at full depth or not, decided once at
+              its admission on the cohort's EMA-calibrated rates, kept until it ends.
 - survival:   vLLM's adaptive verification: a draft position is verified when its estimated
               survival probability pays for its row at the profiled step cost.
-- oracle:     the depth planner fed with each request's true current survival curve (hidden
-              state of the acceptance model) and the true, uncorrected cost curve.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from scheduler.cost_model import CostModel, ProfileCost
-from scheduler.depth_planner import Catchup, plan_depths
+from scheduler.cost_model import ProfileCost
+from scheduler.plan import RoundPlan
 from scheduler.policy import (
     AdaptivePolicy,
     AllARPolicy,
     AllSpecPolicy,
     Decision,
     DecodeView,
-    catchup_share,
     depth_caps,
     usable_survival,
 )
 from scheduler.sim.executor import SimExecutor
+from scheduler.sim.oracles import ClairvoyantPolicy, TrueStatePolicy
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# sticky: EMA weight of one round in the cohort's cost correction, and the gain over AR that
+# an admission to speculation must predict
+COST_EMA = 0.2
+GATE_MARGIN = 0.01
 
 
 def uniform_expected_tokens(acceptance, k):
@@ -111,50 +113,87 @@ class GoodputPolicy:
 
 
 class StickyGatePolicy:
-    """Per-request gate fixed at each cohort change (arrival or departure)."""
+    """The seed system's gate: one decision per request, made at its admission and kept until
+    it ends.
+
+    A request is admitted when it first decodes (its first round past prefill). The gate then
+    speculates it at full depth (every draft its remaining tokens allow: depth_caps) or keeps
+    it in AR for its whole life; asked "on", it speculates, and without a drafter it stays AR.
+    The decision is the cohort's: the decoding requests of the admission round, newcomers
+    included, speculating at full depth against all in AR, each a decode-only round (drafters
+    caught up) priced by the profile times the cohort-level correction of its kind, compared by
+    expected tokens per ms: 1 per request, plus for each speculating one the sum of its
+    estimated survival over its drafts (a newcomer's: the estimator's prior). The newcomers
+    speculate only when speculating wins by more than GATE_MARGIN.
+
+    The correction: one factor for AR rounds and one for speculating rounds, each an EMA
+    (weight COST_EMA) of measured / priced time over the decode-only rounds of its kind, fed by
+    observe_round (the simulator's runner calls it after every round; without it the factors
+    stay at 1: the profile's price).
+    """
 
     name = "sticky"
 
     def __init__(self):
-        self.gate: dict[int, bool] = {}
+        self.gate: dict[int, bool] = {}  # req_id -> speculates
+        self.correction = [1.0, 1.0]  # [AR, speculating] measured / priced decode-round time
+        self._profile: ProfileCost | None = None
 
     def decide(self, view, estimator, cost_model) -> Decision:
+        self._profile = cost_model.profile
         n = len(view.req_ids)
         caps = depth_caps(view)
-        if view.cohort_changed or any(int(r) not in self.gate for r in view.req_ids):
-            rate = estimator.request_rate(view.slots)
-            gain = uniform_expected_tokens(rate, caps) - 1.0  # [n] extra tokens at full depth
-            order = np.argsort(-gain, kind="stable")
-            best_k, best = (
-                0,
-                view.base_tokens
-                / float(cost_model.predict_ms(view.base_rows, view.base_kv_tokens)),
-            )
-            cum_gain = np.cumsum(gain[order])
-            cum_rows = np.cumsum(caps[order])
-            lag = np.cumsum(view.drafter_lag[order])
-            for k in range(1, n + 1):
-                if caps[order[k - 1]] == 0:
-                    break
-                ms = cost_model.predict_ms_scalar(
-                    int(view.base_rows + cum_rows[k - 1]),
-                    view.base_kv_tokens,
-                    int(caps[order[:k]].max()),
-                    k,
-                    int(lag[k - 1]),
-                    view.num_prefill_rows,
-                )
-                rate_k = (view.base_tokens + cum_gain[k - 1]) / ms
-                if rate_k > best:
-                    best_k, best = k, rate_k
-            on = np.zeros(n, dtype=bool)
-            on[order[:best_k]] = True
-            self.gate = {int(r): bool(g) for r, g in zip(view.req_ids, on)}
-            reason = f"gate re-decided: {best_k}/{n} on"
-        else:
-            reason = "gate kept"
-        on = np.fromiter((self.gate[int(r)] for r in view.req_ids), bool, n)
+        req_ids = view.req_ids.tolist()
+        new = [i for i, r in enumerate(req_ids) if r not in self.gate]
+        if new:
+            speculate = False
+            if ((caps[new] > 0) & ~view.must_spec[new]).any():  # a newcomer the cohort decides
+                survival = estimator.survival(view.slots)[:, : view.max_drafts]
+                gain = usable_survival(view, survival).sum(1)  # [n] expected accepted drafts
+                ar_rate = self.cohort_rate(view, np.zeros(n, dtype=bool), caps, gain)
+                spec_rate = self.cohort_rate(view, caps > 0, caps, gain)
+                speculate = spec_rate > (1.0 + GATE_MARGIN) * ar_rate
+            for i in new:
+                self.gate[req_ids[i]] = bool(caps[i] > 0 and (view.must_spec[i] or speculate))
+        on = np.fromiter((self.gate[r] for r in req_ids), bool, n)
+        reason = f"gates: {int(on.sum())}/{n} on" + (f", {len(new)} new" if new else "")
         return Decision(np.where(on, caps, 0).astype(np.int64), reason)
+
+    def cohort_rate(self, view, on: np.ndarray, caps: np.ndarray, gain: np.ndarray) -> float:
+        """Expected tokens per ms of a decode-only round of the view's requests, those `on`
+        speculating at their caps, priced by the profile and the correction of its kind."""
+        n = len(on)
+        drafts = int(caps[on].sum())
+        num_spec = int(np.count_nonzero(on))
+        decode_kv = max(view.base_kv_tokens - view.num_prefill_rows, n)
+        ms = self._profile.round_ms_scalar(
+            n + drafts,
+            decode_kv + drafts,
+            int(caps[on].max(initial=0)),
+            num_spec,
+            num_draft_rows=drafts,
+        )
+        return (n + float(gain[on].sum())) / (ms * self.correction[num_spec > 0])
+
+    def observe_round(self, plan: RoundPlan, period_ms: float) -> None:
+        """One executed round and its measured period (ms): a decode-only round moves the
+        correction of its kind."""
+        if self._profile is None or plan.prefills or not len(plan.decode) or period_ms <= 0:
+            return
+        num_draft = plan.decode.num_draft
+        num_spec = int(np.count_nonzero(num_draft))
+        priced = self._profile.round_ms_scalar(
+            plan.row_bucket or plan.num_rows,
+            plan.num_kv_tokens,
+            plan.spec_depth - 1 if num_spec else 0,
+            num_spec,
+            plan.drafter_lag_rows,
+            padded=True,
+            num_draft_rows=int(num_draft.sum()),
+        )
+        if priced > 0:
+            kind = int(num_spec > 0)
+            self.correction[kind] += COST_EMA * (period_ms / priced - self.correction[kind])
 
 
 class SurvivalAdmissionPolicy:
@@ -185,43 +224,6 @@ class SurvivalAdmissionPolicy:
         return Decision(num_draft, f"survival admitted {take} positions")
 
 
-class OraclePolicy:
-    """The depth planner with true survival curves and the true cost curve."""
-
-    name = "oracle"
-
-    def __init__(self, executor, profile: ProfileCost, drafter_prefill: bool):
-        self.executor = executor
-        self.true_cost = CostModel(profile, drafter_prefill)  # never calibrated: the truth
-
-    def decide(self, view, estimator, cost_model) -> Decision:
-        n = len(view.req_ids)
-        if n == 0 or not view.may_spec.any():
-            return Decision(np.zeros(n, dtype=np.int64), "nothing to speculate")
-        survival = usable_survival(
-            view,
-            self.executor.acceptance.true_survival(
-                view.slots,
-                np.asarray(self.executor.next_positions(view.slots.tolist())),
-                view.max_drafts,
-            ),
-        )
-        key = np.where(survival > 0, survival, -1.0)
-        choice = plan_depths(
-            survival,
-            key,
-            view.weights,
-            Catchup(view.drafter_lag, catchup_share(view, survival)),
-            self.true_cost,
-            view.base_rows,
-            view.base_kv_tokens,
-            view.base_tokens,
-            view.num_prefill_rows,
-            view.rate_bar,
-        )
-        return Decision(choice.num_draft, "oracle")
-
-
 POLICY_NAMES = (
     "adaptive",
     "all-ar",
@@ -230,7 +232,8 @@ POLICY_NAMES = (
     "goodput",
     "sticky",
     "survival",
-    "oracle",
+    "true-state",
+    "clairvoyant",
 )
 
 
@@ -262,6 +265,8 @@ def make_policy(
         return StickyGatePolicy()
     if name == "survival":
         return SurvivalAdmissionPolicy(profile)
-    if name == "oracle":
-        return OraclePolicy(executor, profile, drafter_prefill)
+    if name == "true-state":
+        return TrueStatePolicy(executor, profile, drafter_prefill)
+    if name == "clairvoyant":
+        return ClairvoyantPolicy(executor, drafter_prefill)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def format_table(rows: list[dict]) -> str:
     header = (
-        f"{'cohort':<7} {'C':>4} {'policy':<9} {'full-live tok/s':>15} {'refill tok/s':>12} "
+        f"{'cohort':<7} {'C':>4} {'policy':<10} {'full-live tok/s':>15} {'refill tok/s':>12} "
         f"{'acc len':>7} {'rows':>7}  route mix (full-live)"
     )
     lines = [header, "-" * len(header)]
@@ -111,7 +111,7 @@ def format_table(rows: list[dict]) -> str:
         acc = r["mean_accepted_len"]
         mix = r["route_mix_full_live"]
         lines.append(
-            f"{r['cohort']:<7} {r['concurrency']:>4} {r['policy']:<9} "
+            f"{r['cohort']:<7} {r['concurrency']:>4} {r['policy']:<10} "
             f"{(f'{full:.0f}' if full else '-'):>15} {r['refill_tok_s']:>12.0f} "
             f"{(f'{acc:.2f}' if acc else '-'):>7} {r['mean_rows']:>7.1f}  "
             f"S {mix.get('S', 0):.2f} A {mix.get('A', 0):.2f}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,6 +31,23 @@ def default_token(req_id: int, index: int) -> int:
 def default_tokens(req_ids: np.ndarray, indices: np.ndarray) -> np.ndarray:
     """`default_token` over arrays (int64 arithmetic: ids and indices stay far below 2**40)."""
     return 1000 + (req_ids * 1_000_003 + indices * 7_919) % 30_000
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """A round as the simulated executor prices it."""
+
+    num_rows: int
+    executed_rows: int  # as run: padded to the graph bucket, or eager
+    num_kv_tokens: int
+    draft_depth: int  # the deepest chain (0: no request speculates)
+    num_spec: int
+    num_draft_rows: int
+    lag_rows: int  # context rows the speculating requests' drafters catch up on
+    num_prefill_rows: int
+    follow_prefill: bool  # the drafter computes the prefill chunks' draft KV alongside
+    num_decoding: int
+    decode_only: bool
 
 
 class SimExecutor:
@@ -142,29 +160,21 @@ class SimExecutor:
         # of the executor's measured time (the scheduler calibrates against the latter)
         self.last_host_ms = 0.0
         if plan.num_reqs:
-            depth = plan.spec_depth - 1 if num_spec else 0
-            ms = self.profile.round_ms_scalar(
-                rows,
-                plan.num_kv_tokens,
-                depth,
-                num_spec,
-                lag,
-                num_prefill_rows,
-                plan.follow_prefill,
-                padded=True,
+            shape = RoundShape(
+                num_rows=plan.num_rows,
+                executed_rows=rows,
+                num_kv_tokens=plan.num_kv_tokens,
+                draft_depth=plan.spec_depth - 1 if num_spec else 0,
+                num_spec=num_spec,
                 num_draft_rows=int(num_draft.sum()),
-                executor_only=True,
+                lag_rows=lag,
+                num_prefill_rows=num_prefill_rows,
+                follow_prefill=plan.follow_prefill,
+                num_decoding=len(plan.decode),
+                decode_only=plan.is_decode_only,
             )
-            if depth:
-                self.last_host_ms = self.profile.round_spec_host_ms(
-                    plan.num_rows, num_prefill_rows, num_spec, depth, int(num_draft.sum())
-                )
-            elif self.last_speculated and plan.is_decode_only:
-                # the switch back to AR: this round starts the run-ahead pipeline anew
-                self.last_host_ms = self.profile.ar_restart_ms_scalar(len(plan.decode))
+            ms, self.last_host_ms = self.round_cost_ms(shape)
             self.last_speculated = num_spec > 0
-            if self.time_scale is not None:
-                ms *= self.time_scale(plan.num_rows, num_spec > 0)
             if self.noise_sigma > 0:
                 ms *= math.exp(self.rng.gauss(0.0, self.noise_sigma))
         return RoundResult(
@@ -180,6 +190,37 @@ class SimExecutor:
             overlapped=plan.is_decode_only and not plan.decode.num_draft.any(),
         )
 
+    def round_cost_ms(self, shape: RoundShape) -> tuple[float, float]:
+        """(executor ms, engine host ms) of a round of this shape after the one just run, noise
+        left out: the round's period is their sum."""
+        ms = self.profile.round_ms_scalar(
+            shape.executed_rows,
+            shape.num_kv_tokens,
+            shape.draft_depth,
+            shape.num_spec,
+            shape.lag_rows,
+            shape.num_prefill_rows,
+            shape.follow_prefill,
+            padded=True,
+            num_draft_rows=shape.num_draft_rows,
+            executor_only=True,
+        )
+        host_ms = 0.0
+        if shape.draft_depth:
+            host_ms = self.profile.round_spec_host_ms(
+                shape.num_rows,
+                shape.num_prefill_rows,
+                shape.num_spec,
+                shape.draft_depth,
+                shape.num_draft_rows,
+            )
+        elif self.last_speculated and shape.decode_only:
+            # the switch back to AR: this round starts the run-ahead pipeline anew
+            host_ms = self.profile.ar_restart_ms_scalar(shape.num_decoding)
+        if self.time_scale is not None:
+            ms *= self.time_scale(shape.num_rows, shape.num_spec > 0)
+        return ms, host_ms
+
     def next_positions(self, slots) -> list[int]:
-        """Next output index of each slot (what the oracle's survival starts from)."""
+        """Next output index of each slot (where the oracles read the acceptance traces)."""
         return [int(self.slot_next_index[s]) for s in slots]

@@ -1,27 +1,11 @@
 """Does the adaptive policy hold against the better fixed policy? A grid through the simulator.
 
-For every profile variant, cohort and concurrency C the refill workload of the GPU benchmark
-(`loadtests/lab/gpu/measure.py`, its simulator task: C slots, max(2C, 4) requests, prompts
-uniform in [512, 1536], 128 output tokens, prefill budget 2048, decide_ahead) runs under
-adaptive, all-AR and all-spec for several seeds; the mean full-live tokens/s of each policy is
-compared:
-
-- every point: adaptive >= FLOOR x max(all-AR, all-spec);
-- each (variant, cohort)'s crossover C, where all-AR and all-spec are closest (the better fixed
-  policy changes there or next to it): adaptive >= CROSSOVER_GAIN x both.
-
-Profile variants: the profile as measured, its draft-model step times x 0.5 (a faster draft
-chain), and no draft model (an n-gram drafter: drafting costs no device time in the cost model,
-as the benchmark builds its n-gram profile). A point where some policy has no full-live round
-(at large C the refill workload may never run all slots decode-only) is compared on refill
-tokens/s instead and marked `*`. Each row also prints the three policies' refill tokens/s (the
-whole run, prefills, catch-ups and drain included): full-live leaves out rounds with a prefill
-chunk, where a drafter's catch-up on a whole prompt is often paid.
-
-Each (policy, cohort, seed) runs its concurrencies in rising order, and each run's scheduler
-adopts what the one before learned of the drafter (acceptance prior, evidence, calibration), as
-a server whose load rises on the same traffic keeps it, and as the GPU benchmark's runs do; the
-first C of each starts at the configured prior. `--cold`: every run starts there.
+For every profile variant (`profile_variant`), cohort and concurrency C the GPU benchmark's
+refill workload (its simulator task: C slots, max(2C, 4) requests, prompts uniform in
+[512, 1536], 128 output tokens, prefill budget 2048, decide_ahead) runs under adaptive, all-AR
+and all-spec for several seeds (`sim_chain`), and the mean full-live tokens/s are compared:
+every point needs adaptive >= FLOOR x max(all-AR, all-spec), each (variant, cohort)'s crossover
+C (where all-AR and all-spec are closest) adaptive >= CROSSOVER_GAIN x both (`compare`).
 
     python -m scheduler.sim.policy_check --profile docs/perf/gpu.json --acceptance \
         scheduler/profiles/acceptance.json
@@ -73,8 +57,9 @@ def load_profile(path: str | Path, key: str = "profile") -> dict:
 
 
 def profile_variant(profile: dict, variant: str) -> dict:
-    """`measured`: as is; `draft-half`: draft-model step times x 0.5; `ngram`: no draft model
-    (drafting free in the cost model)."""
+    """`measured`: as is; `draft-half`: draft-model step times x 0.5 (a faster draft chain);
+    `ngram`: no draft model (drafting costs no device time in the cost model, as the benchmark
+    builds its n-gram profile)."""
     p = dict(profile)
     if variant == "measured":
         return p
@@ -90,9 +75,11 @@ def profile_variant(profile: dict, variant: str) -> dict:
 
 
 def sim_chain(task: tuple) -> list[dict]:
-    """One seed of one policy over the concurrencies in the order given, set up as the GPU
+    """One seed of one policy over the concurrencies in rising order, set up as the GPU
     benchmark's simulator task does; with `carry`, each run starts from what the one before
-    learned of the drafter (`SimSetup.acceptance`), as the benchmark's runs do."""
+    learned of the drafter (`SimSetup.acceptance`: prior, evidence, calibration), as a server
+    whose load rises on the same traffic keeps it and as the benchmark's runs do; the first C
+    starts at the configured prior (`--cold`: every run does)."""
     profile, acceptance, cohort, policy, concurrency, cfg, seed, carry = task
     cost, classes = ProfileCost(profile), load_cohorts(acceptance)[cohort]
     out, known = [], None
@@ -163,7 +150,11 @@ def run_points(
 
 def compare(points: dict, cohorts, concurrency) -> list[dict]:
     """Per (cohort, C): the three rates on one metric and adaptive / max(fixed); then per cohort
-    the crossover C and adaptive / min over (AR, spec) there."""
+    the crossover C and adaptive / min over (AR, spec) there. A point where some policy has no
+    full-live round (at large C the refill workload may never run all slots decode-only) is
+    compared on refill tokens/s instead and marked `*`; each row also shows the three refill
+    rates (the whole run: prefills, catch-ups and drain, where a drafter's catch-up on a whole
+    prompt is often paid, which full-live leaves out)."""
     rows = []
     for co in cohorts:
         cohort_rows = []

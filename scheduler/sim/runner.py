@@ -168,7 +168,8 @@ def run_sim(
     )
     longest = workload.prompt_len * 3 // 2 + workload.max_tokens + setup.spec_depth
     num_blocks = setup.num_kv_blocks or c * num_blocks_for(longest, setup.block_size) + 1
-    # (the oracle's true cost: the drafter's prefill forward in every prefill round when on)
+    # the simulator-only policies' true cost: the drafter's prefill forward in every prefill
+    # round when on
     drafter_prefill = cfg.drafter_follows_prefill == "on" and cfg.max_drafts > 0
     executor = SimExecutor(
         profile,
@@ -188,6 +189,10 @@ def run_sim(
         drafter_prefill=drafter_prefill,
     )
     sched = Scheduler(cfg, num_blocks, CostModel(profile), setup.tenants, policy=policy)
+    # policies told of rounds: sticky calibrates on each measured one; clairvoyant learns of the
+    # round about to run while it decides the next (decide_ahead)
+    observe_round = getattr(policy, "observe_round", None)
+    announce = getattr(policy, "plan_in_flight", None)
     if setup.acceptance is not None:
         sched.adopt_acceptance(setup.acceptance)
 
@@ -234,6 +239,8 @@ def run_sim(
             break
         plan = sched.plan(now)
         if setup.decide_ahead:
+            if announce is not None:
+                announce(plan)
             sched.prepare_decision()
         result = executor.run(plan)
         if not plan.num_reqs:
@@ -244,6 +251,8 @@ def run_sim(
         ms = result.timings.total_ms + executor.last_host_ms  # the round's period
         now += ms / 1e3
         deltas = sched.update(result, now)
+        if observe_round is not None:
+            observe_round(plan, ms)
         num_rounds += 1
         round_tokens = int(deltas.token_starts[-1])
         for i in sorted(deltas.finish):

@@ -28,7 +28,7 @@ def test_acceptance_paths_follow_the_model():
             state.enter(0, req_id)
             accepted += sum(state.accepted(0, t, 1) for t in range(4000))
         assert accepted / 80000 == pytest.approx(cls.mean_acceptance, abs=0.02)
-        # the oracle's first position is the acceptance of the state it sees
+        # true-state's first position is the acceptance of the state it sees
         state.enter(0, 0)
         path = state.path(0)
         s = state.true_survival(np.array([0]), np.array([10]), 3)[0]
@@ -186,7 +186,7 @@ def test_the_switch_back_to_ar_costs_the_profiles_restart():
     """The first AR round after a speculating round starts the engine's run-ahead pipeline
     anew: the simulator adds the profile's `ar_restart_ms` to that round's period (outside the
     executor's time, which calibration compares), and nothing to other AR rounds."""
-    from executor.profiler import SwitchingPolicy
+    from hipfire_serve.cost_profile.engine_steps import SwitchingPolicy
     from scheduler.cost_model import ProfileCost
     from tests.scheduler.test_cost_model import _two_requests_on_the_simulator
 

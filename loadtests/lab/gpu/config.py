@@ -9,7 +9,7 @@ from scheduler.sim.cli import PROFILES
 from scheduler.sim.runner import RefillBench
 
 REAL_POLICIES = ("adaptive", "all-ar", "all-spec", "threshold", "goodput", "sticky", "survival")
-SIM_POLICIES = (*REAL_POLICIES, "oracle")
+SIM_POLICIES = (*REAL_POLICIES, "clairvoyant")
 # Fraction of the time budget kept for the simulator, the report and the plots.
 RESERVE_FRACTION = 0.08
 
@@ -69,7 +69,7 @@ QUICK = BenchConfig(
     cohorts=("code",),
     other_cohorts=("code",),
     concurrency=(1, 2, 4),
-    sim_policies=("adaptive", "all-ar", "all-spec", "oracle"),
+    sim_policies=("adaptive", "all-ar", "all-spec", "clairvoyant"),
     prompt_len=24,
     max_tokens=12,
     min_requests=2,

@@ -383,7 +383,7 @@ def test_quick_summary_averages_repeats_and_sits_beside_the_simulator(quick_reco
             )
         assert row["sim"]["refill_tok_s"] > 0
     sim_only = {r["policy"] for r in record["summary"] if r["num_repeats"] == 0}
-    assert sim_only == {"oracle"}
+    assert sim_only == {"clairvoyant"}
     assert len(record["comparisons"]) == len(QUICK.points()) * len(QUICK.concurrency)
 
 
@@ -397,12 +397,12 @@ def test_a_spent_time_budget_skips_runs_but_still_reports(tmp_path):
 
 
 def test_bad_flags_are_refused():
-    assert main(["--quick", "--out", "x", "--policies", "oracle"]) == 2
+    assert main(["--quick", "--out", "x", "--policies", "clairvoyant"]) == 2
     assert main(["--quick", "--out", "x", "--drafters", "random:tiny,random:qwen3-0.6b"]) == 2
 
 
 def test_summarize_keeps_simulator_only_points():
-    sims = {("oracle", "d", "code", 4): {"full_live_tok_s": 10.0, "refill_tok_s": 8.0}}
+    sims = {("clairvoyant", "d", "code", 4): {"full_live_tok_s": 10.0, "refill_tok_s": 8.0}}
     (row,) = summarize([], sims)
     assert row["num_repeats"] == 0 and row["full_live_tok_s"] is None
     assert row["sim_error_refill"] is None
