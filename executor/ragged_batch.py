@@ -14,32 +14,8 @@ from executor.drafters.base import DraftBatch
 from executor.host_buffer import HostBuffer
 from executor.model import AttnMetadata
 from executor.sampling import PackedSampling, SamplingTensors
-from executor.slot_table import SlotTable
+from executor.slot_table import RoundRequests, SlotTable
 from scheduler.plan import RoundPlan, offsets
-
-
-@dataclass(frozen=True)
-class RoundRequests:
-    """The planned requests of a round in row order: the decode requests, then prefill chunks."""
-
-    num_decode: int  # n
-    slots: np.ndarray  # [m] int64
-    req_ids: np.ndarray  # [m] int64
-    num_computed: np.ndarray  # [m] int64 committed KV length when the round starts
-
-    @classmethod
-    def of_plan(cls, plan: RoundPlan) -> RoundRequests:
-        dec, prefills = plan.decode, plan.prefills
-
-        def column(decode: np.ndarray, values: list[int]) -> np.ndarray:
-            return np.concatenate([decode, values]).astype(np.int64)
-
-        return cls(
-            num_decode=len(dec),
-            slots=column(dec.slots, [q.slot for q in prefills]),
-            req_ids=column(dec.req_ids, [q.req_id for q in prefills]),
-            num_computed=column(dec.num_computed, [q.num_computed for q in prefills]),
-        )
 
 
 @dataclass(frozen=True)

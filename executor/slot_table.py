@@ -4,6 +4,7 @@ its block table (the rows a round touches are uploaded with it)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,7 +14,30 @@ from scheduler.plan import RoundPlan, SeqSetup, offsets
 
 if TYPE_CHECKING:
     from executor.accept import RoundTokens
-    from executor.ragged_batch import RoundRequests
+
+
+@dataclass(frozen=True)
+class RoundRequests:
+    """The planned requests of a round in row order: the decode requests, then prefill chunks."""
+
+    num_decode: int  # n
+    slots: np.ndarray  # [m] int64
+    req_ids: np.ndarray  # [m] int64
+    num_computed: np.ndarray  # [m] int64 committed KV length when the round starts
+
+    @classmethod
+    def of_plan(cls, plan: RoundPlan) -> RoundRequests:
+        dec, prefills = plan.decode, plan.prefills
+
+        def column(decode: np.ndarray, values: list[int]) -> np.ndarray:
+            return np.concatenate([decode, values]).astype(np.int64)
+
+        return cls(
+            num_decode=len(dec),
+            slots=column(dec.slots, [q.slot for q in prefills]),
+            req_ids=column(dec.req_ids, [q.req_id for q in prefills]),
+            num_computed=column(dec.num_computed, [q.num_computed for q in prefills]),
+        )
 
 
 class SlotTable:

@@ -17,7 +17,7 @@ import numpy as np
 from scheduler.cost_model import CostModel
 
 if TYPE_CHECKING:
-    from scheduler.policy import DecodeView
+    from scheduler.policy_api import DecodeView
 
 # Catch-up amortisation: once caught up, the drafter stays caught up while the request
 # speculates, so the catch-up serves every round the request has left: its remaining tokens

@@ -19,7 +19,7 @@ from scheduler.acceptance import AcceptanceEstimator
 from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostModel
 from scheduler.lifecycle import RequestLifecycle
-from scheduler.policy import SpecPolicy
+from scheduler.policy_api import SpecPolicy
 from scheduler.policy_view import PolicyViews
 from scheduler.prefill_chunks import PrefillChunk
 

@@ -13,7 +13,6 @@ prior rests on little evidence. `AllSpecPolicy` (`--spec-mode spec`) and `AllARP
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import numpy as np
 
@@ -27,6 +26,7 @@ from scheduler.catchup_pricing import (
 )
 from scheduler.cost_model import CostModel
 from scheduler.depth_planner import FORCE_KEY, Catchup, plan_depths
+from scheduler.policy_api import Decision, DecodeView
 
 # Hysteresis: while a request speculates its draft positions are valued at survival x
 # (1 + HYSTERESIS), so leaving speculation needs a 3% worse estimate than break-even: enough
@@ -79,47 +79,6 @@ YIELD_MIN, YIELD_MAX = 0.25, 1.5
 # EMA weight of one round in the rate bar: ~20 rounds, enough to average the luck of single
 # rounds, short enough to follow a change of regime (arrivals, drain) within a second or so.
 RATE_ALPHA = 0.05
-
-
-@dataclass(frozen=True)
-class DecodeView:
-    """Everything a policy may look at for one round, as arrays over the decoding requests."""
-
-    req_ids: np.ndarray  # [n]
-    slots: np.ndarray  # [n] estimator rows
-    num_remaining: np.ndarray  # [n] tokens each may still emit (max_tokens)
-    drafter_lag: np.ndarray  # [n] tokens the drafter has not seen
-    may_spec: np.ndarray  # [n] bool: drafter present and request allows it
-    must_spec: np.ndarray  # [n] bool: request asked speculation "on"
-    was_spec: np.ndarray  # [n] bool: speculated last round
-    in_dwell: np.ndarray  # [n] bool: switched less than MIN_DWELL_ROUNDS rounds ago
-    weights: np.ndarray  # [n] value of one token (1; less for short requests while draining)
-    max_drafts: int  # spec_depth - 1
-    base_rows: int  # n + prefill chunk rows
-    base_kv_tokens: int
-    base_tokens: float  # sum(weights) + prefill chunks that complete this round
-    num_prefill_rows: int
-    num_live: int
-    cohort_changed: bool  # arrivals or departures since the last round
-    draining: bool  # nothing waiting: finishing the live requests is what counts
-    rate_bar: float = 0.0  # tokens per ms a draft position must pay for (0: per-round ratio)
-    yield_factor: float = 1.0  # accepted drafts per draft the estimators expect accepted
-
-
-@dataclass(frozen=True)
-class Decision:
-    num_draft: np.ndarray  # [n] int
-    reason: str
-    # a probe (AdaptivePolicy.probe): its outcomes weigh PROBE_CALIB_WEIGHT in the calibration
-    probe: bool = False
-
-
-class SpecPolicy(Protocol):
-    name: str
-
-    def decide(
-        self, view: DecodeView, estimator: AcceptanceEstimator, cost_model: CostModel
-    ) -> Decision: ...
 
 
 class RateTracker:

@@ -12,7 +12,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostModel
 from scheduler.lifecycle import RequestLifecycle
 from scheduler.plan import Mode
-from scheduler.policy import DecodeView, RateTracker, YieldTracker
+from scheduler.policy import RateTracker, YieldTracker
+from scheduler.policy_api import DecodeView
 from scheduler.prefill_chunks import PrefillChunk
 from scheduler.slot_table import SPECULATION_CODE, SlotTable
 

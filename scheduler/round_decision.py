@@ -16,7 +16,7 @@ from scheduler.acceptance import AcceptanceEstimator
 from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostModel
 from scheduler.pending_outcomes import PendingOutcomes
-from scheduler.policy import SpecPolicy
+from scheduler.policy_api import SpecPolicy
 from scheduler.policy_view import PolicyViews
 from scheduler.prefill_chunks import PrefillChunk
 from scheduler.slot_table import SlotTable

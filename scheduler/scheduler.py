@@ -29,9 +29,9 @@ from scheduler.policy import (
     AllARPolicy,
     AllSpecPolicy,
     RateTracker,
-    SpecPolicy,
     YieldTracker,
 )
+from scheduler.policy_api import SpecPolicy
 from scheduler.policy_view import PolicyViews
 from scheduler.prefill_chunks import (
     PREFILL_TAIL_DIV,

@@ -24,11 +24,10 @@ from scheduler.policy import (
     AdaptivePolicy,
     AllARPolicy,
     AllSpecPolicy,
-    Decision,
-    DecodeView,
     depth_caps,
     usable_survival,
 )
+from scheduler.policy_api import Decision, DecodeView
 from scheduler.sim.executor import SimExecutor
 from scheduler.sim.oracles import ClairvoyantPolicy, TrueStatePolicy
 

@@ -19,7 +19,8 @@ import numpy as np
 from scheduler.cost_model import CostModel, ProfileCost
 from scheduler.depth_planner import Catchup, plan_depths
 from scheduler.plan import RoundPlan
-from scheduler.policy import Decision, DecodeView, catchup_share, depth_caps, usable_survival
+from scheduler.policy import catchup_share, depth_caps, usable_survival
+from scheduler.policy_api import Decision, DecodeView
 from scheduler.sim.executor import RoundShape, SimExecutor
 
 # screened candidates of a round that are priced exactly (executor.round_cost_ms) at the end
