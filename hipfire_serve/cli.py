@@ -19,24 +19,29 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def _usage() -> str:
-    lines = ["usage: hipfire-serve <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in SUBCOMMANDS.items()]
-    return "\n".join(lines)
+def run_subcommand(
+    prog: str, subcommands: dict[str, tuple[str, str, str]], argv: list[str] | None
+) -> int:
+    """Runs `subcommands[argv[0]]` (module, function, help) with the rest of `argv`; the
+    module is imported only then. Usage on no command or --help; exit 2 on an unknown one."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        width = max(len(name) for name in subcommands) + 2
+        lines = [f"usage: {prog} <command> [options]", "", "commands:"]
+        lines += [f"  {name:<{width}}{help_}" for name, (_, _, help_) in subcommands.items()]
+        print("\n".join(lines))
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in subcommands:
+        print(f"{prog}: unknown command {name!r} (try --help)", file=sys.stderr)
+        return 2
+    module_name, func_name, _ = subcommands[name]
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(rest) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0
-    name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"hipfire-serve: unknown command {name!r} (try --help)", file=sys.stderr)
-        return 2
-    module_name, func_name, _ = SUBCOMMANDS[name]
-    func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(rest) or 0)
+    return run_subcommand("hipfire-serve", SUBCOMMANDS, argv)
 
 
 if __name__ == "__main__":

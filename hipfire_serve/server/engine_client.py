@@ -9,6 +9,7 @@ methods run on the event loop.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import time
@@ -105,7 +106,7 @@ def deliver_outputs(
         stream.end_round()
 
 
-class EngineClient:
+class EngineClient(abc.ABC):
     """The app's engine loop as the event loop sees it; subclasses say where the engine runs."""
 
     def __init__(self) -> None:
@@ -119,13 +120,14 @@ class EngineClient:
 
     # --- transport, supplied by the subclass ---
 
+    @abc.abstractmethod
     def _send(self, command: Any) -> None:
         """Hands one command to the engine side without blocking the event loop."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def running(self) -> bool:
-        raise NotImplementedError
+        """Whether the engine side is alive and taking commands."""
 
     # --- requests ---
 
