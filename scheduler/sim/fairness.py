@@ -33,8 +33,11 @@ def run_saturated(
     ex = SimExecutor(profile, classes, concurrency, seed=seed, noise_sigma=0.0)
     next_id = 0
 
+    tenant_of: dict[int, str] = {}
+
     def submit(tenant: str) -> None:
         nonlocal next_id
+        tenant_of[next_id] = tenant
         sched.add_request(
             RequestSpec(
                 req_id=next_id,
@@ -49,14 +52,11 @@ def run_saturated(
     for t in tenants:
         for _ in range(3 * concurrency):
             submit(t.name)
-    tenant_of: dict[int, str] = {}
     max_live = dict.fromkeys((t.name for t in tenants), 0)
     now = 0.0
     for _ in range(num_rounds):
         plan = sched.plan(now)
         live: dict[str, int] = {}
-        for setup in plan.setup:
-            tenant_of[setup.req_id] = sched._requests[setup.req_id].spec.tenant
         for name in max_live:
             live[name] = sched.admission.num_live(name)
             max_live[name] = max(max_live[name], live[name])
@@ -64,7 +64,7 @@ def run_saturated(
         now += result.timings.total_ms / 1e3
         for d in sched.update(result, now):
             if d.finish_reason:  # replace it: every tenant stays backlogged
-                submit(tenant_of[d.req_id])
+                submit(tenant_of.pop(d.req_id))
     seconds = sched.admission.slot_seconds()
     total = sum(seconds[t.name] for t in tenants) or 1.0
     weight_sum = sum(t.weight for t in tenants)
