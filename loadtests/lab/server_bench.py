@@ -4,21 +4,8 @@ Uses project internals (the engine, for the direct run; the `hipfire-serve serve
 for the HTTP run). Both sides keep `--concurrency` requests live with the same prompts, greedy
 sampling and `max_tokens` (refill: a finished request is replaced at once):
 
-- direct: a child process loops over `Engine.step()` and refills from the finished outputs,
-  counting rounds, tokens and rows in shared memory;
-- HTTP: `hipfire-serve serve` in a child process, fed by `--concurrency` streaming clients on
-  keep-alive connections in this process; rounds, tokens and rows come from the server's
-  `/metrics` (scraped only at window ends).
-
-Both sides are started once and warmed up; then they take turns: one is resumed (SIGCONT) while
-the other is frozen (SIGSTOP), for `--windows` alternating windows of `--window` seconds each.
-Alternating short windows exposes both sides to the same changes in the machine's load, which
-matters on a shared CPU box. The result is the median HTTP rate over the median direct rate.
-
     hipfire-bench server --out docs/perf               # the embedded demo model
     hipfire-bench server --model tiny --out docs/perf  # a tiny random checkpoint
-
-Writes `server.md` and `server.json` under `--out`.
 """
 
 from __future__ import annotations
@@ -39,6 +26,23 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+# The method, shown under `--help`.
+METHOD = """\
+- direct: a child process loops over `Engine.step()` and refills from the finished outputs,
+  counting rounds, tokens and rows in shared memory;
+- HTTP: `hipfire-serve serve` in a child process, fed by `--concurrency` streaming clients on
+  keep-alive connections in this process; rounds, tokens and rows come from the server's
+  `/metrics` (scraped only at window ends).
+
+Both sides are started once and warmed up; then they take turns: one is resumed (SIGCONT) while
+the other is frozen (SIGSTOP), for `--windows` alternating windows of `--window` seconds each.
+Alternating short windows exposes both sides to the same changes in the machine's load, which
+matters on a shared CPU box. The result is the median HTTP rate over the median direct rate.
+
+Writes `server.md` and `server.json` under `--out`.
+"""
+
 
 PROMPTS = (
     "def add(a, b):\n    return",
@@ -463,7 +467,10 @@ process), read from `/proc`; the last column is the engine's CPU time per second
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="hipfire-bench server", description=__doc__.split("\n\n")[0]
+        epilog=METHOD,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="hipfire-bench server",
+        description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--model", default="demo", help="'demo', 'tiny' or a model directory")
     parser.add_argument("--draft", default="auto", help="auto: the demo draft model with demo")

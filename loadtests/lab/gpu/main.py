@@ -5,7 +5,38 @@ executor, simulator); no HTTP.
 
     hipfire-bench gpu --out OUT            # the GPU run: Qwen3-8B-shaped target
     hipfire-bench gpu --quick --out OUT    # the same pipeline on `random:tiny` (CPU tests)
+"""
 
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from loadtests.lab.cli_args import int_tuple
+from loadtests.lab.gpu import report
+from loadtests.lab.gpu.config import (
+    QUICK,
+    REAL_POLICIES,
+    RESERVE_FRACTION,
+    SIM_POLICIES,
+    BenchConfig,
+)
+from loadtests.lab.gpu.measure import (
+    add_round_phases,
+    measure_idle,
+    measure_profile,
+    roofline_curve,
+    simulate,
+)
+from loadtests.lab.gpu.runs import build_engine, recover, run_grid, warm_graphs, warm_runs
+from scheduler.sim.cli import PROFILES
+
+# The method, shown under `--help`.
+METHOD = """\
 One run, in order:
 1. one engine: the target, the `synthetic` drafter (acceptance from the shared acceptance models,
    cohorts code / prose / mixed) wrapping a real drafter whose cost every round pays (the
@@ -36,34 +67,6 @@ so every point gets its first repeat before any gets a second, and a run whose e
 (from the runs before it) would pass the budget is skipped and listed; a run that raises is
 listed with its error and the engine drained, so the others still count.
 """
-
-from __future__ import annotations
-
-import argparse
-import dataclasses
-import sys
-import tempfile
-import time
-from pathlib import Path
-
-from loadtests.lab.cli_args import int_tuple
-from loadtests.lab.gpu import report
-from loadtests.lab.gpu.config import (
-    QUICK,
-    REAL_POLICIES,
-    RESERVE_FRACTION,
-    SIM_POLICIES,
-    BenchConfig,
-)
-from loadtests.lab.gpu.measure import (
-    add_round_phases,
-    measure_idle,
-    measure_profile,
-    roofline_curve,
-    simulate,
-)
-from loadtests.lab.gpu.runs import build_engine, recover, run_grid, warm_graphs, warm_runs
-from scheduler.sim.cli import PROFILES
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -117,7 +120,10 @@ HELP = {
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="hipfire-bench gpu", description=__doc__.split("\n\n")[0].replace("\n", " ")
+        epilog=METHOD,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="hipfire-bench gpu",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
     )
     ap.add_argument("--quick", action="store_true", help="small CPU preset (random:tiny)")
     ap.add_argument("--out", required=True, help="folder for gpu.md, gpu.json and the plots")

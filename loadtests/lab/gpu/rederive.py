@@ -2,7 +2,21 @@
 of several records of the same workload.
 
     python -m loadtests.lab.gpu.rederive RECORD.json [MORE.json ...] --out DIR
+"""
 
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from loadtests.lab.gpu import report
+from loadtests.lab.gpu.runs import StepRecord, summarize_steps
+
+# The method, shown under `--help`.
+METHOD = """\
 Several records (benchmarks of the same workload, each within one call's time budget, so that
 together they hold more repeats): every record kept with `--keep-rounds` is re-derived first,
 then their runs are pooled, each record's repeats numbered after the previous record's. The
@@ -27,16 +41,6 @@ left); steps without a round get none. Finite refill figures (all tokens over th
 their recorded values.
 """
 
-from __future__ import annotations
-
-import argparse
-import dataclasses
-import json
-import sys
-from pathlib import Path
-
-from loadtests.lab.gpu import report
-from loadtests.lab.gpu.runs import StepRecord, summarize_steps
 
 STEP_TOKENS = "round"  # what a step's num_tokens counts in records written now
 
@@ -177,7 +181,10 @@ def pool(records: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="hipfire-bench rederive", description=__doc__.split("\n\n")[0]
+        epilog=METHOD,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="hipfire-bench rederive",
+        description=__doc__.split("\n\n")[0],
     )
     ap.add_argument(
         "records", nargs="+", help="gpu.json records (kept with --keep-rounds to re-derive)"

@@ -1,32 +1,9 @@
 """Benchmark of the verify-pass kernels on one GPU; writes a JSON record and prints a table.
 
-    hipfire-bench kernels --out DIR [--tune] [--quick] [--tiles block_n=64,num_stages=2]
-    hipfire-bench kernels --out DIR --sweep [--variants rules|schedule|m32] [--shapes ...]
-    hipfire-bench kernels --out DIR --small-only             # norms, RoPE, top-k, accept
-    hipfire-bench kernels --render docs/perf/kernels.json   # Markdown tables of a record
-
-Verify attention is timed at contexts 1k/8k/32k, rows per sequence 1/8/16, batch 1/16/64,
-GQA 4 and 8 (8 KV heads, head_dim 128, bf16, 16-token pages scattered over the cache) against
-(a) the same kernel forced to one row per program (every row re-reads the KV) and
-(b) torch's scaled_dot_product_attention on KV already gathered into contiguous tensors (the
-gather is not timed; GQA is folded into the query length so SDPA reads each KV head once).
-Achieved KV bandwidth counts each sequence's K and V bytes once, and is compared with the copy
-bandwidth (bytes read + written) of a large device-to-device copy measured in the same run.
-Every timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), which
-also proves the kernels capture. `--tune` first sweeps tile settings in phases (SWEEP_PHASES),
-each on the shapes its settings affect, adopts per class the setting of lowest geometric-mean
-time, and runs the grid with the winners (the record's `attention_tiles` then say what to put
-in the arch table); `--tiles` overrides entries of this GPU's arch-table tiles for the whole
-run. Each shape's record carries its launch plan (tile, splits, warps, stages) and, for split
-launches, the time of the merge kernel alone. `--sweep` checks the tile rules of
-`plan_launch` instead of running the grid: per shape (RULE_SHAPES or `--shapes`) it times every
-candidate launch the rules choose between (RULE_VARIANTS: 128- against 64- and 32-vector tiles,
-2 against 3 stages, short contexts' short splits against 512-token ones) and the launch the
-committed entry picks, each checked against SDPA, and writes sweep.json and sweep.md;
-`--variants schedule` swaps in the 128-vector tile's schedule switches (SCHEDULE_VARIANTS) and
-`--variants m32` the split rule's count of 32-vector programs per SM (M32_VARIANTS). Every
-kernel variant is compiled first in parallel worker processes (`hipfire-bench kernels-compile`),
-so the GPU machine's time goes to timing rather than to one-at-a-time compilation.
+hipfire-bench kernels --out DIR [--tune] [--quick] [--tiles block_n=64,num_stages=2]
+hipfire-bench kernels --out DIR --sweep [--variants rules|schedule|m32] [--shapes ...]
+hipfire-bench kernels --out DIR --small-only             # norms, RoPE, top-k, accept
+hipfire-bench kernels --render docs/perf/kernels.json   # Markdown tables of a record
 """
 
 from __future__ import annotations
@@ -76,6 +53,32 @@ from loadtests.lab.kernels.common import (
     sweep_tasks,
     time_ms,
 )
+
+# The method, shown under `--help`.
+METHOD = """\
+Verify attention is timed at contexts 1k/8k/32k, rows per sequence 1/8/16, batch 1/16/64,
+GQA 4 and 8 (8 KV heads, head_dim 128, bf16, 16-token pages scattered over the cache) against
+(a) the same kernel forced to one row per program (every row re-reads the KV) and
+(b) torch's scaled_dot_product_attention on KV already gathered into contiguous tensors (the
+gather is not timed; GQA is folded into the query length so SDPA reads each KV head once).
+Achieved KV bandwidth counts each sequence's K and V bytes once, and is compared with the copy
+bandwidth (bytes read + written) of a large device-to-device copy measured in the same run.
+Every timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), which
+also proves the kernels capture. `--tune` first sweeps tile settings in phases (SWEEP_PHASES),
+each on the shapes its settings affect, adopts per class the setting of lowest geometric-mean
+time, and runs the grid with the winners (the record's `attention_tiles` then say what to put
+in the arch table); `--tiles` overrides entries of this GPU's arch-table tiles for the whole
+run. Each shape's record carries its launch plan (tile, splits, warps, stages) and, for split
+launches, the time of the merge kernel alone. `--sweep` checks the tile rules of
+`plan_launch` instead of running the grid: per shape (RULE_SHAPES or `--shapes`) it times every
+candidate launch the rules choose between (RULE_VARIANTS: 128- against 64- and 32-vector tiles,
+2 against 3 stages, short contexts' short splits against 512-token ones) and the launch the
+committed entry picks, each checked against SDPA, and writes sweep.json and sweep.md;
+`--variants schedule` swaps in the 128-vector tile's schedule switches (SCHEDULE_VARIANTS) and
+`--variants m32` the split rule's count of 32-vector programs per SM (M32_VARIANTS). Every
+kernel variant is compiled first in parallel worker processes (`hipfire-bench kernels-compile`),
+so the GPU machine's time goes to timing rather than to one-at-a-time compilation.
+"""
 
 
 def bench_attention_shape(
@@ -492,7 +495,12 @@ def run_rule_sweep(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hipfire-bench kernels", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        epilog=METHOD,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="hipfire-bench kernels",
+        description=__doc__.splitlines()[0],
+    )
     ap.add_argument("--out", type=Path, help="folder for kernels.json")
     ap.add_argument("--render", type=Path, help="print a record's tables as Markdown and exit")
     ap.add_argument("--tune", action="store_true", help="sweep attention tile settings first")

@@ -3,22 +3,6 @@ model) on one GPU: cuBLAS against the skinny Triton kernel; writes linear.json a
 (linear-<model>.json/.md for another model) and prints the table.
 
     hipfire-bench linear --out DIR [--model qwen3-0.6b] [--rows 1,2,4] [--shapes qkv]
-
-Per weight shape (qkv, o_proj, gate_up, down, lm_head; bf16) and row count it times
-- `F.linear` (cuBLAS, torch's default library),
-- `torch.mm(W, x^T)^T` (the same product with W as the left operand),
-- `F.linear` with torch's preferred BLAS library set to cuBLASLt,
-- for 1-16 rows, each candidate launch of `kernels.skinny_linear` (tiles x split-K, <= 12),
-each as the median over graph replays of many back-to-back calls, the calls rotating over enough
-copies of the weight that no call finds it in L2 (as in the model, where each layer has its
-own). Weight bandwidth is weight bytes over the time, set against the copy bandwidth (bytes read
-plus written by a large device-to-device copy) measured in the same run. Every variant is
-checked against `F.linear` (max abs error over max abs value, < 1e-2). The record's
-`table_entries` are the kernel's best launches where they beat every torch variant, in the
-form of `kernels.skinny_linear.TUNED`; the projection sums one decode forward's linear layers
-(layers x 4 shapes + lm_head) with cuBLAS and with the best variant per shape.
-Triton variants are compiled first in worker processes (Triton's on-disk cache), so the timing
-process only loads binaries.
 """
 
 from __future__ import annotations
@@ -47,6 +31,26 @@ from kernels.skinny_linear import (
     skinny_linear,
     wave_split,
 )
+
+# The method, shown under `--help`.
+METHOD = """\
+Per weight shape (qkv, o_proj, gate_up, down, lm_head; bf16) and row count it times
+- `F.linear` (cuBLAS, torch's default library),
+- `torch.mm(W, x^T)^T` (the same product with W as the left operand),
+- `F.linear` with torch's preferred BLAS library set to cuBLASLt,
+- for 1-16 rows, each candidate launch of `kernels.skinny_linear` (tiles x split-K, <= 12),
+each as the median over graph replays of many back-to-back calls, the calls rotating over enough
+copies of the weight that no call finds it in L2 (as in the model, where each layer has its
+own). Weight bandwidth is weight bytes over the time, set against the copy bandwidth (bytes read
+plus written by a large device-to-device copy) measured in the same run. Every variant is
+checked against `F.linear` (max abs error over max abs value, < 1e-2). The record's
+`table_entries` are the kernel's best launches where they beat every torch variant, in the
+form of `kernels.skinny_linear.TUNED`; the projection sums one decode forward's linear layers
+(layers x 4 shapes + lm_head) with cuBLAS and with the best variant per shape.
+Triton variants are compiled first in worker processes (Triton's on-disk cache), so the timing
+process only loads binaries.
+"""
+
 
 # name -> (N, K) of Qwen3-8B (hidden 4096, 32 q heads + 2 x 8 kv heads of 128, intermediate
 # 12288, vocabulary 151936)
@@ -419,7 +423,10 @@ def tuned_snippet(entries: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="hipfire-bench linear", description=__doc__.split("\n")[0]
+        epilog=METHOD,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="hipfire-bench linear",
+        description=__doc__.split("\n")[0],
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
