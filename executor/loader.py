@@ -50,7 +50,7 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _take(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+def take_weight(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     try:
         return sd.pop(name)
     except KeyError:
@@ -63,7 +63,7 @@ def load_weights(
     sd = read_state_dict(model_dir)
 
     def t(name: str) -> torch.Tensor:
-        return _take(sd, name).to(device=device, dtype=dtype).contiguous()
+        return take_weight(sd, name).to(device=device, dtype=dtype).contiguous()
 
     layers = []
     for i in range(config.num_layers):

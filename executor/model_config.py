@@ -79,7 +79,7 @@ def _ids(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope_config(raw: dict, max_position: int, head_dim: int) -> RopeConfig:
+def rope_config(raw: dict, max_position: int, head_dim: int) -> RopeConfig:
     # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x has `rope_theta` plus an
     # optional `rope_scaling` dict (its type under "rope_type" or the older "type").
     params = dict(raw.get("rope_parameters") or {})
@@ -154,7 +154,7 @@ def load_model_config(model_dir: Path | str) -> ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bool(raw.get("attention_bias", default_bias)) or default_bias,
             qk_norm=qk_norm,
-            rope=_rope_config(raw, max_position, head_dim),
+            rope=rope_config(raw, max_position, head_dim),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id"),
