@@ -8,7 +8,9 @@ dimension is min(row bucket, max_seqs); padded sequences have `q_len = 0` and `s
 attention kernel's programs for them exit at once), padded rows write no KV (slot -1). The graph
 computes logits for every row of the bucket, since every decode row needs them; a graph set made
 with `logits=False` returns the final-normed hidden states instead (a draft model's wide forwards:
-prefill chunks and catch-ups, of which at most the last row per sequence needs logits).
+prefill chunks and catch-ups, of which at most the last row per sequence needs logits). A
+graph set made with a `HiddenCapture` also writes the chosen layers' hidden states into its
+buffer, a static output of every graph: after a replay its first num_rows rows hold this round's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 
 import torch
 
+from executor.hidden_capture import HiddenCapture
 from executor.model import AttnMetadata, Model
 
 log = logging.getLogger("hipfire_serve.graphs")
@@ -74,9 +77,13 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         max_rows: int,
         logits: bool = True,
+        capture: HiddenCapture | None = None,
     ):
         dev = model.device
         self.logits = logits
+        if capture is not None and capture.max_rows < max_rows:
+            raise ValueError(f"capture buffer has {capture.max_rows} rows, graphs need {max_rows}")
+        self.capture_hidden = capture
         self.model = model
         self.k_caches, self.v_caches = k_caches, v_caches
         self.max_seqs = max_seqs
@@ -117,6 +124,7 @@ class DecodeGraphs:
             self._meta(rows, width, max_q_len),
             self.k_caches,
             self.v_caches,
+            self.capture_hidden,
         )  # [rows, hidden]
         return self.model.logits(hidden) if self.logits else hidden  # [rows, vocab]
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executor.hidden_capture import HiddenCapture
 from executor.model_config import ModelConfig
 from executor.ops import select_ops, skinny_linear_enabled
 from executor.rope import build_cos_sin_cache
@@ -90,11 +91,15 @@ class Model:
         meta: AttnMetadata,
         k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
         v_caches: list[torch.Tensor],
+        capture: HiddenCapture | None = None,
     ) -> torch.Tensor:
-        """Returns the final-normed hidden states [num_rows, hidden]."""
+        """Returns the final-normed hidden states [num_rows, hidden]. With `capture`, also
+        writes the outputs of its layers into the first num_rows rows of its buffer."""
         cfg, ops = self.config, self.ops
         linear = self._linear()
         num_rows = input_ids.shape[0]
+        if capture is not None:
+            capture.check_fits(cfg.num_layers, cfg.hidden_size, num_rows, self.dtype)
         hidden = self.weights.embed[input_ids]  # [num_rows, hidden]
         residual = None
         for i, lw in enumerate(self.weights.layers):
@@ -103,6 +108,11 @@ class Model:
                 x = ops.rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps)
             else:
                 x, residual = ops.rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps, residual)
+                # Layer i-1 ends with its MLP output in `hidden`, not yet added to the stream:
+                # the add is fused into this norm, whose second result is the residual stream
+                # after layer i-1 (its output). `x` is normed and `hidden` lacks the stream.
+                if capture is not None:
+                    capture.store(i - 1, residual)
             qkv = linear(x, lw.qkv, lw.qkv_bias)  # [num_rows, q + 2 kv]
             # q/k head norm (Qwen3), RoPE and the K/V store read qkv in place in one pass.
             q = ops.qk_norm_rope_and_write_kv(
@@ -132,6 +142,11 @@ class Model:
             x, residual = ops.rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps, residual)
             hidden = linear(ops.silu_and_mul(linear(x, lw.gate_up)), lw.down)
         out, _ = ops.rms_norm(hidden, self.weights.final_norm, cfg.rms_norm_eps, residual)
+        if capture is not None:
+            # HF reports the last layer's output after the final norm (`hidden_states[-1]` is
+            # `last_hidden_state`), and drafters are trained on HF's tensors: capture `out`,
+            # not the stream the final norm's add returns.
+            capture.store(cfg.num_layers - 1, out)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
