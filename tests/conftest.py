@@ -1,4 +1,5 @@
-"""Suite-wide settings: GPU tests are skipped without a CUDA/HIP device."""
+"""Suite-wide settings: GPU tests are skipped without a CUDA/HIP device, whose absence also puts
+Triton in its interpreter."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ try:
     import torch
 
     torch.set_num_threads(1)
+    # Without a GPU, Triton kernels run in its interpreter. The flag must be set before triton is
+    # first imported (its own jit helpers, e.g. tl.topk, are made at that import), and any test
+    # module may import a kernel module at collection, before tests/kernels/ is reached.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:
     pass
 
