@@ -132,14 +132,34 @@ def load_model_config(model_dir: Path | str) -> ModelConfig:
     ):
         raise ModelLoadError("sliding-window attention is not supported; set sliding_window null")
     default_bias, qk_norm = SUPPORTED_ARCHS[arch]
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    return decoder_config(
+        raw,
+        model_dir,
+        arch=arch,
+        default_bias=default_bias,
+        qk_norm=qk_norm,
+        eos_token_ids=_ids(gen.get("eos_token_id")) or _ids(raw.get("eos_token_id")),
+    )
+
+
+def decoder_config(
+    raw: dict,
+    model_dir: Path,
+    *,
+    arch: str,
+    default_bias: bool,
+    qk_norm: bool,
+    eos_token_ids: tuple[int, ...] = (),
+) -> ModelConfig:
+    """The decoder's shape from an HF config.json's fields (a target's, or a drafter's own
+    layers); a missing field raises a one-line ModelLoadError naming it."""
     try:
         hidden = int(raw["hidden_size"])
         num_q_heads = int(raw["num_attention_heads"])
         head_dim = int(raw.get("head_dim") or hidden // num_q_heads)
         max_position = int(raw.get("max_position_embeddings", 4096))
-        gen_path = model_dir / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        eos = _ids(gen.get("eos_token_id")) or _ids(raw.get("eos_token_id"))
         return ModelConfig(
             arch=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -156,7 +176,7 @@ def load_model_config(model_dir: Path | str) -> ModelConfig:
             qk_norm=qk_norm,
             rope=rope_config(raw, max_position, head_dim),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            eos_token_ids=eos,
+            eos_token_ids=eos_token_ids,
             bos_token_id=raw.get("bos_token_id"),
         )
     except KeyError as e:

@@ -15,10 +15,10 @@ candidate selector, z-lab/dflash's test fixtures) and sliding-window drafters ar
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from executor.model_config import ModelConfig, ModelLoadError, RopeConfig, rope_config
+from executor.model_config import ModelConfig, ModelLoadError, decoder_config
 
 BLOCK_DRAFTER_ARCHS = ("DFlashDraftModel",)
 UNSUPPORTED_BLOCK_ARCHS = ("DFlash2DraftModel",)
@@ -34,31 +34,11 @@ NEUTRAL_OUTPUT_FIELDS = {
 
 @dataclass(frozen=True)
 class BlockDrafterConfig:
-    arch: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    vocab_size: int
+    decoder: ModelConfig  # the drafter's own layers (Qwen3 decoder layers: q/k head norms)
     target_layer_ids: tuple[int, ...]  # target layer i = the output of the target's decoder layer i
     block_size: int  # rows of one drafted block: the last verified token + block_size - 1 masks
     mask_token_id: int
-    qkv_bias: bool
-    max_position: int
     num_target_layers: int | None = None  # the target depth it was trained for, where recorded
-    rope: RopeConfig = field(default_factory=RopeConfig)
-    torch_dtype: str = "float32"
-
-    @property
-    def q_size(self) -> int:
-        return self.num_q_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @property
     def num_drafts(self) -> int:
@@ -122,32 +102,22 @@ def load_block_drafter_config(model_dir: Path | str) -> BlockDrafterConfig:
             raise ModelLoadError(
                 f"block drafter field {name}={value} is not supported (only {neutral})"
             )
-    hidden = int(_require(raw, "hidden_size", model_dir))
-    num_q_heads = int(_require(raw, "num_attention_heads", model_dir))
-    head_dim = int(raw.get("head_dim") or hidden // num_q_heads)
-    max_position = int(raw.get("max_position_embeddings", 4096))
     block_size = int(_require(raw, "block_size", model_dir))
     if block_size < 2:
         raise ModelLoadError(f"block drafter field block_size={block_size} must be at least 2")
     num_target_layers = raw.get("num_target_layers")
     return BlockDrafterConfig(
-        arch=archs[0] if archs else BLOCK_DRAFTER_ARCHS[0],
-        hidden_size=hidden,
-        intermediate_size=int(_require(raw, "intermediate_size", model_dir)),
-        num_layers=int(_require(raw, "num_hidden_layers", model_dir)),
-        num_q_heads=num_q_heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or num_q_heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        vocab_size=int(_require(raw, "vocab_size", model_dir)),
+        decoder=decoder_config(
+            raw,
+            model_dir,
+            arch=archs[0] if archs else BLOCK_DRAFTER_ARCHS[0],
+            default_bias=False,
+            qk_norm=True,
+        ),
         target_layer_ids=tuple(int(i) for i in _require(raw, "target_layer_ids", model_dir)),
         block_size=block_size,
         mask_token_id=int(_require(raw, "mask_token_id", model_dir)),
-        qkv_bias=bool(raw.get("attention_bias", False)),
-        max_position=max_position,
         num_target_layers=None if num_target_layers is None else int(num_target_layers),
-        rope=rope_config(raw, max_position, head_dim),
-        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
     )
 
 
@@ -161,10 +131,11 @@ def check_against_target(config: BlockDrafterConfig, target: ModelConfig) -> Non
             f"{name}={target_value}"
         )
 
-    if config.hidden_size != target.hidden_size:
-        raise mismatch("hidden_size", config.hidden_size, target.hidden_size)
-    if config.vocab_size != target.vocab_size:
-        raise mismatch("vocab_size", config.vocab_size, target.vocab_size)
+    decoder = config.decoder
+    if decoder.hidden_size != target.hidden_size:
+        raise mismatch("hidden_size", decoder.hidden_size, target.hidden_size)
+    if decoder.vocab_size != target.vocab_size:
+        raise mismatch("vocab_size", decoder.vocab_size, target.vocab_size)
     if config.num_target_layers is not None and config.num_target_layers != target.num_layers:
         raise mismatch("num_target_layers", config.num_target_layers, target.num_layers)
     if not config.target_layer_ids:

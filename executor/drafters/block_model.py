@@ -86,15 +86,15 @@ class BlockDrafter:
         self.dtype = dtype
         self.ops = reference_ops()
         self.cos_sin = build_cos_sin_cache(
-            config.rope, config.head_dim, config.max_position, device
+            config.decoder.rope, config.decoder.head_dim, config.decoder.max_position, device
         )  # [max_position, rot_dim]
-        self.scale = config.head_dim**-0.5
+        self.scale = config.decoder.head_dim**-0.5
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """target_hidden [n, len(target_layer_ids) * hidden] (the chosen layers' outputs side by
         side, in target_layer_ids order) -> context features [n, hidden]."""
         fc = torch.nn.functional.linear(target_hidden, self.weights.fc)
-        return self.ops.rms_norm(fc, self.weights.hidden_norm, self.config.rms_norm_eps)
+        return self.ops.rms_norm(fc, self.weights.hidden_norm, self.config.decoder.rms_norm_eps)
 
     def draft_block(
         self,
@@ -106,11 +106,12 @@ class BlockDrafter:
         """Returns the logits [B - 1, vocab] float32 of the block's masked positions, B =
         len(positions) (at most config.block_size: a shorter block drafts fewer tokens)."""
         cfg, w, ops = self.config, self.weights, self.ops
+        dec = cfg.decoder
         linear = torch.nn.functional.linear
         block_size = positions.shape[0]
         num_ctx = context_features.shape[0]
         assert 2 <= block_size <= cfg.block_size, (block_size, cfg.block_size)
-        assert context_features.shape == (num_ctx, cfg.hidden_size), context_features.shape
+        assert context_features.shape == (num_ctx, dec.hidden_size), context_features.shape
         assert context_positions.shape == (num_ctx,), context_positions.shape
         tokens = torch.full((block_size,), cfg.mask_token_id, dtype=torch.long, device=self.device)
         tokens[0] = last_token
@@ -120,28 +121,28 @@ class BlockDrafter:
         half = self.cos_sin.shape[1] // 2
         kv_cos, kv_sin = torch.cat([ctx_cos_sin, blk_cos_sin]).split(half, dim=-1)
         q_cos, q_sin = blk_cos_sin.split(half, dim=-1)
-        group = cfg.num_q_heads // cfg.num_kv_heads
+        group = dec.num_q_heads // dec.num_kv_heads
         for lw in w.layers:
-            x = ops.rms_norm(hidden, lw.input_norm, cfg.rms_norm_eps)  # [B, hidden]
+            x = ops.rms_norm(hidden, lw.input_norm, dec.rms_norm_eps)  # [B, hidden]
             qkv = linear(x, lw.qkv, lw.qkv_bias)  # [B, q + 2 kv]
-            kv_weight = lw.qkv[cfg.q_size :]  # a view: context rows need no query
-            kv_bias = None if lw.qkv_bias is None else lw.qkv_bias[cfg.q_size :]
+            kv_weight = lw.qkv[dec.q_size :]  # a view: context rows need no query
+            kv_bias = None if lw.qkv_bias is None else lw.qkv_bias[dec.q_size :]
             ctx_kv = linear(context_features, kv_weight, kv_bias)  # [n, 2 kv]
-            kv = torch.cat([ctx_kv, qkv[:, cfg.q_size :]])  # [n + B, 2 kv]
-            q = qkv[:, : cfg.q_size].reshape(block_size, cfg.num_q_heads, cfg.head_dim)
-            k = kv[:, : cfg.kv_size].reshape(num_ctx + block_size, cfg.num_kv_heads, cfg.head_dim)
-            v = kv[:, cfg.kv_size :].reshape(num_ctx + block_size, cfg.num_kv_heads, cfg.head_dim)
-            q = _rotate(head_rms_norm_ref(q, lw.q_norm, cfg.rms_norm_eps), q_cos, q_sin)
-            k = _rotate(head_rms_norm_ref(k, lw.k_norm, cfg.rms_norm_eps), kv_cos, kv_sin)
+            kv = torch.cat([ctx_kv, qkv[:, dec.q_size :]])  # [n + B, 2 kv]
+            q = qkv[:, : dec.q_size].reshape(block_size, dec.num_q_heads, dec.head_dim)
+            k = kv[:, : dec.kv_size].reshape(num_ctx + block_size, dec.num_kv_heads, dec.head_dim)
+            v = kv[:, dec.kv_size :].reshape(num_ctx + block_size, dec.num_kv_heads, dec.head_dim)
+            q = _rotate(head_rms_norm_ref(q, lw.q_norm, dec.rms_norm_eps), q_cos, q_sin)
+            k = _rotate(head_rms_norm_ref(k, lw.k_norm, dec.rms_norm_eps), kv_cos, kv_sin)
             # Every block row sees the whole context and the whole block: no causal mask.
             k = k.repeat_interleave(group, dim=1).transpose(0, 1).float()  # [Hq, n + B, D]
             v = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
             scores = q.transpose(0, 1).float() @ k.transpose(1, 2) * self.scale  # [Hq, B, n + B]
             attn = (scores.softmax(dim=-1) @ v).transpose(0, 1).to(self.dtype)  # [B, Hq, D]
-            hidden = hidden + linear(attn.reshape(block_size, cfg.q_size), lw.o_proj)
-            x = ops.rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps)
+            hidden = hidden + linear(attn.reshape(block_size, dec.q_size), lw.o_proj)
+            x = ops.rms_norm(hidden, lw.post_norm, dec.rms_norm_eps)
             hidden = hidden + linear(ops.silu_and_mul(linear(x, lw.gate_up)), lw.down)
-        out = ops.rms_norm(hidden[1:], w.final_norm, cfg.rms_norm_eps)  # [B - 1, hidden]
+        out = ops.rms_norm(hidden[1:], w.final_norm, dec.rms_norm_eps)  # [B - 1, hidden]
         return linear(out, w.lm_head).float()
 
 
@@ -153,19 +154,23 @@ def load_block_weights(
     def t(name: str) -> torch.Tensor:
         return take_weight(sd, name).to(device=target.device, dtype=target.dtype).contiguous()
 
+    decoder = config.decoder
     fc = t("fc.weight")
-    expected_fc = (config.hidden_size, len(config.target_layer_ids) * config.hidden_size)
+    expected_fc = (
+        decoder.hidden_size,
+        len(config.target_layer_ids) * decoder.hidden_size,
+    )
     if tuple(fc.shape) != expected_fc:
         raise ModelLoadError(
             f"block drafter weight fc.weight has shape {list(fc.shape)}, expected "
             f"{list(expected_fc)} for {len(config.target_layer_ids)} target layers"
         )
     layers = []
-    for i in range(config.num_layers):
+    for i in range(decoder.num_layers):
         p = f"layers.{i}."
         attn = [t(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
         qkv_bias = None
-        if config.qkv_bias:
+        if decoder.qkv_bias:
             qkv_bias = torch.cat([t(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
         layers.append(
             BlockLayerWeights(
