@@ -11,6 +11,7 @@ with `logits=False` returns the final-normed hidden states instead (a draft mode
 prefill chunks and catch-ups, of which at most the last row per sequence needs logits). A
 graph set made with a `HiddenCapture` also writes the chosen layers' hidden states into its
 buffer, a static output of every graph: after a replay its first num_rows rows hold this round's.
+A set made with `causal=False` replays a block drafter's blocks (non-causal attention).
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ class DecodeGraphs:
         max_rows: int,
         logits: bool = True,
         capture: HiddenCapture | None = None,
+        causal: bool = True,
     ):
         dev = model.device
         self.logits = logits
+        self.causal = causal  # False: a block drafter's blocks (every row sees its block)
         if capture is not None and capture.max_rows < max_rows:
             raise ValueError(f"capture buffer has {capture.max_rows} rows, graphs need {max_rows}")
         self.capture_hidden = capture
@@ -125,6 +128,7 @@ class DecodeGraphs:
             self.k_caches,
             self.v_caches,
             self.capture_hidden,
+            causal=self.causal,
         )  # [rows, hidden]
         return self.model.logits(hidden) if self.logits else hidden  # [rows, vocab]
 

@@ -92,9 +92,11 @@ class Model:
         k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
         v_caches: list[torch.Tensor],
         capture: HiddenCapture | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
         """Returns the final-normed hidden states [num_rows, hidden]. With `capture`, also
-        writes the outputs of its layers into the first num_rows rows of its buffer."""
+        writes the outputs of its layers into the first num_rows rows of its buffer. With
+        `causal=False` every row attends to its whole sequence (a block drafter's block)."""
         cfg, ops = self.config, self.ops
         linear = self._linear()
         num_rows = input_ids.shape[0]
@@ -137,6 +139,7 @@ class Model:
                 meta.block_tables,
                 self.scale,
                 max_q_len=meta.max_q_len,
+                causal=causal,
             )  # [num_rows, num_q_heads, head_dim]
             hidden = linear(attn.reshape(num_rows, cfg.q_size), lw.o_proj)
             x, residual = ops.rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps, residual)

@@ -30,6 +30,7 @@ from executor.accept import (
 )
 from executor.drafters.base import DraftBatch, Drafter, DraftRequest
 from executor.graphs import DEFAULT_BUCKETS, DecodeGraphs, bucket_for
+from executor.hidden_capture import HiddenCapture
 from executor.host_buffer import HostBuffer
 from executor.kv_cache import KVCache
 from executor.model import Model
@@ -69,7 +70,9 @@ class RoundExecutor:
         self.block_size = block_size
         self.max_slots = max_slots
         self.max_model_len = max_model_len
-        self.max_blocks_per_seq = -(-max_model_len // block_size) + 1
+        # A block drafter writes its block past the verified rows (`kv_lookahead` positions).
+        lookahead = int(getattr(drafter, "kv_lookahead", 0))
+        self.max_blocks_per_seq = -(-(max_model_len + lookahead) // block_size) + 1
         self.kv = KVCache.for_model(target, num_blocks=num_blocks, block_size=block_size)
         self.drafter = drafter
         self.drafter_follows_prefill = drafter_follows_prefill  # asked for (see follow_prefill)
@@ -93,6 +96,18 @@ class RoundExecutor:
         self.sync_phases = sync_phases and self.device.type == "cuda"
         self._host = HostBuffer(self.device)
         self.graphs: DecodeGraphs | None = None
+        graph_rows = min(max_graph_rows, DEFAULT_BUCKETS[-1])
+        # A drafter that reads the target's hidden states gets them from every forward.
+        self.capture: HiddenCapture | None = None
+        layer_ids = getattr(drafter, "capture_layer_ids", None)
+        if layer_ids:
+            self.capture = HiddenCapture.allocate(
+                layer_ids,
+                graph_rows,
+                target.config.hidden_size,
+                dtype=target.dtype,
+                device=self.device,
+            )
         if graphs != "off" and self.device.type == "cuda":
             self.graphs = DecodeGraphs(
                 target,
@@ -100,7 +115,8 @@ class RoundExecutor:
                 self.kv.v,
                 max_seqs=max_slots,
                 max_blocks_per_seq=self.max_blocks_per_seq,
-                max_rows=min(max_graph_rows, DEFAULT_BUCKETS[-1]),
+                max_rows=graph_rows,
+                capture=self.capture,
             )
             if graphs == "startup":
                 for b in DEFAULT_BUCKETS:
@@ -254,13 +270,34 @@ class RoundExecutor:
         return bucket if bucket <= self.graphs.max_rows else 0
 
     def _forward(self, dev: DeviceBatch, bucket: int) -> torch.Tensor:
-        """The one target forward: the logits of the batch's logit rows [L, vocab]."""
+        """The one target forward: the logits of the batch's logit rows [L, vocab]. With a
+        drafter reading hidden states, the forward captures them and the drafter's context
+        write for every row follows it on the stream."""
+        capture = self.capture
+        num_rows = len(dev.ids)
+        if capture is not None and num_rows > capture.max_rows:  # a wide eager forward
+            capture = HiddenCapture.allocate(
+                capture.layer_ids,
+                num_rows,
+                self.target.config.hidden_size,
+                dtype=self.target.dtype,
+                device=self.device,
+            )
         if bucket:
-            return self.graphs.replay(bucket, dev.ids, dev.meta)
-        hidden = self.target.forward(dev.ids, dev.meta, self.kv.k, self.kv.v)  # [rows, hidden]
-        if dev.logit_rows is not None:
-            hidden = hidden[dev.logit_rows]
-        return self.target.logits(hidden)
+            logits = self.graphs.replay(bucket, dev.ids, dev.meta)
+        else:
+            hidden = self.target.forward(
+                dev.ids, dev.meta, self.kv.k, self.kv.v, capture
+            )  # [rows, hidden]
+            if dev.logit_rows is not None:
+                hidden = hidden[dev.logit_rows]
+            logits = self.target.logits(hidden)
+        if capture is not None:
+            meta = dev.meta
+            self.drafter.extend_context(
+                capture.rows(num_rows), meta.positions[:num_rows], meta.slot_mapping[:num_rows]
+            )
+        return logits
 
     def _launch_accept(
         self,

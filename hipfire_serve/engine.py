@@ -117,6 +117,7 @@ class Engine:
                 max_prefill_tokens=config.max_prefill_tokens,
                 max_model_len=self.max_model_len,
                 has_drafter=self.drafter is not None,
+                draft_kv_lookahead=int(getattr(self.drafter, "kv_lookahead", 0)),
                 # the mode where the drafter can follow (a draft model), else off
                 drafter_follows_prefill=(
                     config.drafter_follows_prefill if self.executor.follow_prefill else "off"
@@ -146,6 +147,10 @@ class Engine:
         their rounds (a draft model only)."""
         if self.has_unfinished():
             raise RuntimeError("the drafter can only be replaced while the engine is idle")
+        layer_ids = getattr(drafter, "capture_layer_ids", None)
+        capture = self.executor.capture
+        if layer_ids and (capture is None or capture.layer_ids != tuple(layer_ids)):
+            raise ValueError("a drafter reading hidden states is set up with the executor")
         self.drafter = self.executor.drafter = drafter
         self.executor.drafter_follows_prefill = follows_prefill
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from executor.drafters.base import Drafter
+from executor.drafters.block_config import is_block_drafter_dir
+from executor.drafters.block_model import BlockDraftModel, load_block_drafter
 from executor.kv_cache import KVCache, auto_kv_budget, parse_bytes
 from executor.loader import load_model, resolve_dtype
 from executor.model import Model
@@ -67,13 +69,24 @@ def _random_model(config: EngineConfig, spec: str, device: torch.device, seed: i
     return random_model(name, device=device, dtype=dtype, seed=seed, max_position=max_pos)
 
 
-def _draft_model(config: EngineConfig, draft_spec: str, target: Model, device) -> Model | None:
-    """The draft model the drafter runs, if any (a synthetic drafter may run one for its cost)."""
+def _draft_model(
+    config: EngineConfig, draft_spec: str, target: Model, device
+) -> Model | BlockDraftModel | None:
+    """The model the drafter runs, if any (a synthetic drafter may run one for its cost): a
+    draft model, or a block drafter when the directory holds one."""
     model_spec = config.synthetic_cost_drafter if draft_spec == "synthetic" else draft_spec
     if model_spec.startswith(RANDOM_PREFIX):
         return _random_model(config, model_spec, device, seed=1)
     if model_spec in ("none", "ngram", "synthetic"):
         return None
+    if is_block_drafter_dir(model_spec):
+        drafter = load_block_drafter(model_spec, target)
+        if config.spec_depth > drafter.config.block_size:
+            raise ValueError(
+                f"--spec-depth {config.spec_depth} exceeds the block drafter's block of "
+                f"{drafter.config.block_size} rows: lower --spec-depth"
+            )
+        return drafter
     draft_model = load_model(model_spec, dtype=str(target.dtype).split(".")[-1], device=device)
     if draft_model.config.vocab_size != target.config.vocab_size:
         raise ValueError(
@@ -84,7 +97,11 @@ def _draft_model(config: EngineConfig, draft_spec: str, target: Model, device) -
 
 
 def _make_drafter(
-    config: EngineConfig, spec: str, draft_model: Model | None, num_blocks: int, max_len: int
+    config: EngineConfig,
+    spec: str,
+    draft_model: Model | BlockDraftModel | None,
+    num_blocks: int,
+    max_len: int,
 ) -> Drafter | None:
     if spec == "none":
         return None
@@ -100,6 +117,18 @@ def _make_drafter(
         )
         path, _, cohort = config.acceptance_profile.rpartition(":")
         return SyntheticDrafter(path, cohort, seed=config.seed, inner=inner)
+    if isinstance(draft_model, BlockDraftModel):
+        from executor.drafters.block_drafter import BlockDrafter
+
+        return BlockDrafter(
+            draft_model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_slots=config.max_concurrency,
+            max_model_len=max_len,
+            seed=config.seed,
+            graphs="off" if config.graphs == "off" else "lazy",
+        )
     from executor.drafters.draft_model import DraftModelDrafter
 
     return DraftModelDrafter(
@@ -133,16 +162,24 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         if config.kv_cache_memory == "auto"
         else parse_bytes(config.kv_cache_memory)
     )
-    configs = [target.config] + ([draft_model.config] if draft_model else [])
+    configs = [target.config]
+    if isinstance(draft_model, BlockDraftModel):
+        configs.append(draft_model.config.decoder)
+    elif draft_model is not None:
+        configs.append(draft_model.config)
     num_blocks = KVCache.blocks_for_budget(configs, budget, config.block_size, target.dtype)
-    min_blocks = num_blocks_for(max_model_len + config.spec_depth, config.block_size)
+    # rows past the context limit: a request's last round verifies up to spec_depth of them
+    # (a block drafter's block reaches as far)
+    reach = config.spec_depth
+    if isinstance(draft_model, BlockDraftModel):
+        reach = max(reach, draft_model.config.block_size)
+    min_blocks = num_blocks_for(max_model_len + reach, config.block_size)
     if num_blocks < min_blocks:
         raise ValueError(
             f"KV cache budget holds {num_blocks} blocks but one full-length request needs "
             f"{min_blocks}: raise --kv-cache-memory or lower --max-model-len"
         )
-    # rows past the context limit: a request's last round verifies up to spec_depth of them
-    max_len = max_model_len + config.spec_depth
+    max_len = max_model_len + reach
     drafter = _make_drafter(config, draft_spec, draft_model, num_blocks, max_len)
     slots = config.max_concurrency
     executor = RoundExecutor(

@@ -5,7 +5,8 @@
     cu_q_lens   [num_seqs + 1] int32                 rows of sequence s: cu_q_lens[s]..[s+1]-1
     seq_lens    [num_seqs] int32                     KV length incl. the new rows (already cached)
     block_tables[num_seqs, max_blocks] int32         cache block of each block_size-token page
-Row j of sequence s sits at position seq_lens[s] - q_len_s + j and attends to positions <= its own.
+Row j of sequence s sits at position seq_lens[s] - q_len_s + j and attends to positions <= its own;
+with `causal=False` every row attends to the sequence's whole KV (a block drafter's block).
 
 The host side lives here: `verify_attention` (checks, plans, launches), its torch reference and
 `compile_variants` (start-up compile of every variant a model's rounds can pick). The kernels are
@@ -94,6 +95,7 @@ def verify_attention(
     num_splits: int | None = None,
     max_q_len: int | None = None,
     rows_per_tile: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal attention of ragged new rows over the paged cache; returns out [num_rows, Hq, D].
 
@@ -103,6 +105,7 @@ def verify_attention(
         tiles (their KV is read once per tile).
     rows_per_tile: force rows per program (1 gives the per-row baseline that re-reads KV).
     num_splits: KV splits per tile; None picks from the shapes and the GPU size.
+    causal: False lets every row see all of its sequence's KV (seq_lens[s] tokens).
     """
     num_rows, num_q_heads, head_dim = q.shape  # [num_rows, Hq, D]
     _, page_size, num_kv_heads, head_dim_k = k_cache.shape  # [blocks, bs, Hkv, D]
@@ -137,10 +140,12 @@ def verify_attention(
         rows_per_tile=rows_per_tile,
         num_splits=num_splits,
     )
-    return _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch)
+    return _run(
+        q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch, causal
+    )
 
 
-def _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch):
+def _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch, causal=True):
     """Launches verify attention (and the merge of its splits) with a planned tiling."""
     num_rows, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -177,7 +182,7 @@ def _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, lau
         EVEN_D=head_dim == d_pad, PAGE_SIZE=page_size, SPLIT=splits > 1,
         SEQS_PAD=seqs_pad(num_seqs),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        LAZY_RESCALE=launch.lazy_rescale, PIPELINE_QK=launch.pipeline_qk,
+        LAZY_RESCALE=launch.lazy_rescale, PIPELINE_QK=launch.pipeline_qk, CAUSAL=causal,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
         **launch_options(q.device, tiles.waves_per_eu, launch.max_regs),
         **pdl_options(q.device),
@@ -241,6 +246,7 @@ def verify_attention_ref(
     num_splits: int | None = None,
     max_q_len: int | None = None,
     rows_per_tile: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Pure torch, any device (the CPU path); fp32 math. Tiling arguments are accepted and
     ignored. Rows after cu_q_lens[-1] are zeroed, as the kernel does. Reads lengths on the host."""
@@ -266,7 +272,9 @@ def verify_attention_ref(
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale  # [Hq, q_len, L]
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         k_pos = torch.arange(kv_len, device=q.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if causal:
+            hidden_keys = k_pos[None, None, :] > q_pos[None, :, None]
+            scores = scores.masked_fill(hidden_keys, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

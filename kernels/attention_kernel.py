@@ -145,7 +145,7 @@ def _verify_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, SEQS_PAD: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    PIPELINE_QK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PIPELINE_QK: tl.constexpr, CAUSAL: tl.constexpr = True, USE_PDL: tl.constexpr = False,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -190,9 +190,14 @@ def _verify_attention_kernel(
             q_row = (q_start + row0 + m_row).to(tl.int64)  # [BLOCK_M]
             q_ptrs = q_ptr + q_row[:, None] * stride_q_row + m_head[:, None] * stride_q_head
             q = tl.load(q_ptrs + offs_d[None, :], mask=m_ok[:, None] & d_mask[None, :], other=0.0)
-            q_pos = ctx_len + row0 + m_row  # [BLOCK_M] position of each query vector
-
-            kv_end = ctx_len + tl.minimum(row0 + ROWS_TILE, q_len)  # last row's position + 1
+            if CAUSAL:
+                q_pos = ctx_len + row0 + m_row  # [BLOCK_M] position of each query vector
+                kv_end = ctx_len + tl.minimum(row0 + ROWS_TILE, q_len)  # last row's position + 1
+            else:
+                # Every row sees the sequence's whole KV, its own rows included: as if it sat
+                # at the last row's position (a block drafter's block attends this way).
+                q_pos = tl.zeros_like(m_row) + (ctx_len + q_len - 1)  # [BLOCK_M]
+                kv_end = ctx_len + q_len
             if not SPLIT:
                 kv_lo = 0
                 kv_hi = kv_end
@@ -201,7 +206,10 @@ def _verify_attention_kernel(
                 kv_lo = tl.minimum(split * split_len, kv_end)
                 kv_hi = tl.minimum(kv_lo + split_len, kv_end)
             # Keys before the tile's first row are visible to every row: no mask needed there.
-            full_hi = tl.minimum(kv_hi, ctx_len + row0 + 1)
+            if CAUSAL:
+                full_hi = tl.minimum(kv_hi, ctx_len + row0 + 1)
+            else:
+                full_hi = kv_hi
             num_full = tl.maximum(full_hi - kv_lo, 0) // BLOCK_N
             masked_lo = kv_lo + num_full * BLOCK_N
 

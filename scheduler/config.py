@@ -26,6 +26,11 @@ class SchedulerConfig:
     )
     max_model_len: int = _f(0, "prompt + max_tokens limit; 0: only the KV capacity limits")
     has_drafter: bool = _f(True, "a drafter is loaded; without one no round speculates")
+    draft_kv_lookahead: int = _f(
+        0,
+        "KV positions past its AR row that a speculating request's drafter writes, whatever "
+        "its depth (a block drafter's whole block); blocks for them are held for the round",
+    )
     drafter_follows_prefill: str = _f(
         "off",
         "whether the drafter computes prefill chunks alongside the target (a draft model; "

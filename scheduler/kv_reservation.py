@@ -48,10 +48,18 @@ class DraftReservation(msgspec.Struct, frozen=True):
 
 
 class KVReservation:
-    def __init__(self, kv: BlockPool, slot_table: SlotTable, lifecycle: RequestLifecycle):
+    def __init__(
+        self,
+        kv: BlockPool,
+        slot_table: SlotTable,
+        lifecycle: RequestLifecycle,
+        draft_lookahead: int = 0,
+    ):
         self.kv = kv
         self.slot_table = slot_table
         self.lifecycle = lifecycle
+        # positions past the AR row a speculating request writes at least (its drafter's)
+        self.draft_lookahead = draft_lookahead
 
     def reserve(self, req: Request, num_tokens: int, changes: SlotChanges) -> bool:
         """Allocates blocks covering `num_tokens` positions of `req`, preempting the most
@@ -101,21 +109,22 @@ class KVReservation:
         return ArRowReservation(slots, blocks)
 
     def reserve_drafts(self, slots: np.ndarray, num_draft: np.ndarray) -> DraftReservation:
-        """KV for the drafts of the speculating requests (their AR row's is held already)."""
+        """KV for the drafts of the speculating requests (their AR row's is held already): a
+        request with d drafts writes positions up to num_computed + max(d, lookahead)."""
         kv = self.kv
         st = self.slot_table
         bs = kv.block_size
-        n = len(slots)
         d = num_draft
-        d_max = int(d.max())
-        if d_max <= 0:
+        if int(d.max(initial=0)) <= 0:
             return DraftReservation(d, None, True)
         num_computed = st.num_computed[slots]  # [n]
-        # Every request needs at most ceil(d / bs) + 1 new blocks; when the pool holds that
-        # for everyone, no request can run short (the common case: one batched allocation).
-        if n * (-(-d_max // bs) + 1) <= kv.num_free:
-            # blocks to cover rows up to position num_computed + d: ceil((nc + d + 1) / bs)
-            need = (num_computed + d) // bs + 1 - st.num_blocks[slots]
+        reach = np.where(d > 0, np.maximum(d, self.draft_lookahead), 0)  # [n] positions past
+        reach_max = int(reach.max())
+        # Every request needs at most ceil(reach / bs) + 1 new blocks; when the pool holds
+        # that for everyone, no request can run short (the common case: one batched allocation).
+        if len(slots) * (-(-reach_max // bs) + 1) <= kv.num_free:
+            # blocks to cover rows up to position num_computed + reach: ceil((nc + r + 1) / bs)
+            need = (num_computed + reach) // bs + 1 - st.num_blocks[slots]
             take = np.flatnonzero((need > 0) & (d > 0))
             if not len(take):
                 return DraftReservation(d, None, True)
@@ -126,12 +135,13 @@ class KVReservation:
         for i in np.flatnonzero(d).tolist():
             slot = int(slots[i])
             held = int(st.num_blocks[slot])
+            start = int(num_computed[i]) + 1
             di = int(d[i])
-            need = -(-(int(num_computed[i]) + 1 + di) // bs) - held
+            need = self._draft_need(start, di, held)
             # drafts whose KV does not fit are dropped, never an error
             while di > 0 and need > kv.num_free:
                 di -= 1
-                need = -(-(int(num_computed[i]) + 1 + di) // bs) - held
+                need = self._draft_need(start, di, held)
             if need > 0 and di > 0:
                 self._allocate_many(slots[i : i + 1], np.array([need], dtype=np.int64))
             d[i] = di
@@ -172,6 +182,12 @@ class KVReservation:
         for i in np.flatnonzero(block_counts).tolist():
             new_ids += tables[int(req_ids[i])][int(block_offset[i]) :]
         return new_ids
+
+    def _draft_need(self, start: int, num_draft: int, held: int) -> int:
+        """New blocks a request holding `held` needs for `num_draft` drafts after its AR row's
+        `start` positions (none without drafts)."""
+        reach = max(num_draft, self.draft_lookahead) if num_draft else 0
+        return -(-(start + reach) // self.kv.block_size) - held
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Gives back the request's blocks past `num_tokens` positions."""

@@ -117,7 +117,9 @@ class Scheduler:
             config, self.kv, self._slot_table, self.admission, self._outcomes, self._counters
         )
         self._requests = self._lifecycle.requests  # every request not yet released, by id
-        self._reservation = KVReservation(self.kv, self._slot_table, self._lifecycle)
+        self._reservation = KVReservation(
+            self.kv, self._slot_table, self._lifecycle, config.draft_kv_lookahead
+        )
         self._in_flight = RoundsInFlight(self._slot_table)
         views = PolicyViews(
             config,

@@ -27,7 +27,7 @@ from executor.drafters.block_config import (
     load_block_drafter_config,
 )
 from executor.loader import read_state_dict, take_weight
-from executor.model import Model
+from executor.model import AttnMetadata, LayerWeights, Model, ModelWeights
 from executor.model_config import ModelLoadError
 from executor.ops import reference_ops
 from executor.rope import build_cos_sin_cache
@@ -38,26 +38,28 @@ TARGET_OWNED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "model.embed_to
 
 
 @dataclass(frozen=True)
-class BlockLayerWeights:
-    input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]; context rows use the kv part only
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    q_norm: torch.Tensor  # [head_dim]
-    k_norm: torch.Tensor  # [head_dim]
-    o_proj: torch.Tensor  # [hidden, q_size]
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
-
-
-@dataclass(frozen=True)
 class BlockDrafterWeights:
     fc: torch.Tensor  # [hidden, len(target_layer_ids) * hidden]
     hidden_norm: torch.Tensor  # [hidden]
-    layers: tuple[BlockLayerWeights, ...]
-    final_norm: torch.Tensor  # [hidden]
-    embed: torch.Tensor  # [vocab, hidden]: the target's own tensor
-    lm_head: torch.Tensor  # [vocab, hidden]: the target's own tensor
+    # The drafter's layers and final norm with the target's embedding and lm_head (the
+    # target's own tensors, not copies); a layer's qkv serves context rows by its k/v part.
+    decoder: ModelWeights
+
+    @property
+    def layers(self) -> tuple[LayerWeights, ...]:
+        return self.decoder.layers
+
+    @property
+    def final_norm(self) -> torch.Tensor:
+        return self.decoder.final_norm
+
+    @property
+    def embed(self) -> torch.Tensor:
+        return self.decoder.embed
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.decoder.lm_head
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,8 +71,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([rotated, x[..., 2 * half :]], dim=-1)
 
 
-class BlockDrafter:
-    """One request's block drafting; batching over requests and paged context KV come later."""
+class BlockDraftModel:
+    """A block drafter's weights beside its target and its three computations: the batched,
+    paged ones the executor runs (`write_context`: context K/V from captured target states;
+    `block_logits`: one forward of every speculating request's block, the decoder's `Model`
+    with non-causal attention) and `draft_block`, one request in plain torch (the reference,
+    no cache)."""
 
     def __init__(
         self,
@@ -79,16 +85,78 @@ class BlockDrafter:
         *,
         device: torch.device,
         dtype: torch.dtype,
+        max_position: int | None = None,
+        ops_backend: str = "auto",
     ):
         self.config = config
         self.weights = weights
         self.device = device
         self.dtype = dtype
         self.ops = reference_ops()
+        dec = config.decoder
         self.cos_sin = build_cos_sin_cache(
-            config.decoder.rope, config.decoder.head_dim, config.decoder.max_position, device
+            dec.rope, dec.head_dim, dec.max_position, device
         )  # [max_position, rot_dim]
-        self.scale = config.decoder.head_dim**-0.5
+        self.scale = dec.head_dim**-0.5
+        # The paged path: the drafter's layers as a decoder over the target's embedding.
+        self.decoder = Model(
+            dec,
+            weights.decoder,
+            device=device,
+            dtype=dtype,
+            ops_backend=ops_backend,
+            max_position=max(max_position or 0, dec.max_position),
+        )
+        # Context rows need only keys and values: every layer's k/v projection in one GEMM.
+        self.context_kv = torch.cat([lw.qkv[dec.q_size :] for lw in weights.layers])
+        self.context_kv_bias = None
+        if dec.qkv_bias:
+            self.context_kv_bias = torch.cat([lw.qkv_bias[dec.q_size :] for lw in weights.layers])
+
+    def write_context(
+        self,
+        target_hidden: torch.Tensor,  # [n, len(target_layer_ids) * hidden] captured states
+        positions: torch.Tensor,  # [n] int64
+        slot_mapping: torch.Tensor,  # [n] int64, < 0: skip the row
+        k_caches: list[torch.Tensor],  # per drafter layer [blocks, page, Hkv, D]
+        v_caches: list[torch.Tensor],
+    ) -> None:
+        """Projects target states to context features and stores every drafter layer's context
+        K/V (k_norm and RoPE applied) at the rows' cache slots."""
+        dec, ops = self.config.decoder, self.decoder.ops
+        linear = self.decoder._linear()
+        features = ops.rms_norm(
+            linear(target_hidden, self.weights.fc), self.weights.hidden_norm, dec.rms_norm_eps
+        )  # [n, hidden]
+        kv = linear(features, self.context_kv, self.context_kv_bias)  # [n, layers * 2 kv]
+        width = 2 * dec.kv_size
+        for i, lw in enumerate(self.weights.layers):
+            ops.qk_norm_rope_and_write_kv(
+                kv[:, i * width : (i + 1) * width],
+                lw.q_norm,
+                lw.k_norm,
+                dec.rms_norm_eps,
+                positions,
+                self.decoder.cos_sin,
+                slot_mapping,
+                k_caches[i],
+                v_caches[i],
+                num_q_heads=0,
+                is_neox=True,
+            )
+
+    def block_logits(
+        self,
+        ids: torch.Tensor,  # [rows] every block's tokens: the last verified one, then masks
+        meta: AttnMetadata,  # one sequence per block, its rows at the block's positions
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        draft_rows: torch.Tensor,  # [E] rows whose logits are wanted (the drafts to verify)
+    ) -> torch.Tensor:
+        """One forward of all blocks (their K/V written past the context, where the next
+        context write overwrites them); float32 logits of `draft_rows` [E, vocab]."""
+        hidden = self.decoder.forward(ids, meta, k_caches, v_caches, causal=False)
+        return self.decoder.logits(hidden[draft_rows])
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """target_hidden [n, len(target_layer_ids) * hidden] (the chosen layers' outputs side by
@@ -173,7 +241,7 @@ def load_block_weights(
         if decoder.qkv_bias:
             qkv_bias = torch.cat([t(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
         layers.append(
-            BlockLayerWeights(
+            LayerWeights(
                 input_norm=t(p + "input_layernorm.weight"),
                 qkv=torch.cat(attn),
                 qkv_bias=qkv_bias,
@@ -193,20 +261,25 @@ def load_block_weights(
             f"block drafter checkpoint holds {len(unexpected)} unexpected weights, e.g. "
             f"{unexpected[0]!r} (a layout this loader does not know)"
         )
-    return BlockDrafterWeights(
-        fc=fc,
-        hidden_norm=hidden_norm,
+    decoder_weights = ModelWeights(
+        embed=target.weights.embed,
         layers=tuple(layers),
         final_norm=final_norm,
-        embed=target.weights.embed,
         lm_head=target.weights.lm_head,
     )
+    return BlockDrafterWeights(fc=fc, hidden_norm=hidden_norm, decoder=decoder_weights)
 
 
-def load_block_drafter(model_dir: Path | str, target: Model) -> BlockDrafter:
+def load_block_drafter(model_dir: Path | str, target: Model) -> BlockDraftModel:
     """Loads a block drafter for `target` in the target's dtype and on its device."""
     model_dir = Path(model_dir)
     config = load_block_drafter_config(model_dir)
     check_against_target(config, target.config)
     weights = load_block_weights(model_dir, config, target)
-    return BlockDrafter(config, weights, device=target.device, dtype=target.dtype)
+    return BlockDraftModel(
+        config,
+        weights,
+        device=target.device,
+        dtype=target.dtype,
+        max_position=target.max_position + config.block_size,
+    )

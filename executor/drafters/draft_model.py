@@ -25,6 +25,7 @@ import torch
 from executor.device_clock import DeviceClock
 from executor.drafters.base import DraftBatch, DraftRequest
 from executor.drafters.draft_chain import ChainPlan, drafts_resolver, plan_chain
+from executor.drafters.draft_pick import pick_drafts
 from executor.graphs import DEFAULT_BUCKETS, DecodeGraphs, bucket_for
 from executor.kv_cache import KVCache
 from executor.model import AttnMetadata, Model
@@ -486,16 +487,9 @@ class DraftModelDrafter:
         draft_tokens: torch.Tensor,  # [num_reqs, max_draft] out
         probs: torch.Tensor | None,  # [sum(num_draft), vocab] out
     ) -> None:
-        """Draft j of every row, on the device: the argmax for greedy rows; a draw from
-        q = softmax(logits / temperature) for sampled ones, whose q goes to `probs` (greedy rows
-        there hold the point mass of their argmax). No top-k/top-p: rejection sampling is exact
-        for any q the drafts were really drawn from, so q only has to be honest."""
-        tokens = logits.argmax(dim=-1)  # [n]
-        if probs is not None:
-            sampled = temp > 0.0  # [n]
-            q = torch.softmax(logits / temp.clamp_min(1e-5)[:, None], dim=-1)  # [n, vocab]
-            drawn = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
-            tokens = torch.where(sampled, drawn, tokens)
-            point = torch.zeros_like(q).scatter_(1, tokens[:, None], 1.0)
-            probs[prow + j] = torch.where(sampled[:, None], q, point)
+        """Draft j of every row, on the device (`pick_drafts`); sampled rows' q goes to
+        `probs`, greedy rows there hold the point mass of their argmax."""
+        tokens, q = pick_drafts(logits, temp, self.generator, probs is not None)
+        if q is not None:
+            probs[prow + j] = q
         draft_tokens[req, j] = tokens

@@ -108,10 +108,23 @@ def _joined(pieces):
     }
 
 
-@pytest.mark.parametrize("seed", [0, 1, 4])
-@pytest.mark.parametrize("spec_mode", ["ar", "adaptive"])
-def test_rounds_ahead_change_no_output(model_dir, seed, spec_mode):
-    draft = "ngram" if spec_mode != "ar" else "none"
+@pytest.fixture(scope="module")
+def block_dir(model_dir, tmp_path_factory):
+    """A random block drafter of the tiny target (block of 4 rows)."""
+    from executor.loader import load_model
+    from tests.fixtures.tiny_block_drafter import make_tiny_block_drafter
+
+    config = load_model(model_dir).config
+    return make_tiny_block_drafter(tmp_path_factory.mktemp("block"), config, seed=2)
+
+
+@pytest.mark.parametrize(
+    ("seed", "spec_mode", "drafter"),
+    [(s, m, "ngram" if m != "ar" else "none") for s in (0, 1, 4) for m in ("ar", "adaptive")]
+    + [(2, "adaptive", "block")],
+)
+def test_rounds_ahead_change_no_output(model_dir, block_dir, seed, spec_mode, drafter):
+    draft = str(block_dir) if drafter == "block" else drafter
     kw = dict(max_concurrency=4, spec_depth=4, draft=draft, spec_mode=spec_mode)
     base = _llm(model_dir, overlap_rounds=False, **kw)
     text = base.generate(PROMPT, SamplingParams(max_tokens=64, temperature=0.0))[0].outputs[0].text
@@ -119,12 +132,29 @@ def test_rounds_ahead_change_no_output(model_dir, seed, spec_mode):
     want = _run(base.engine, reqs)
     llm = _llm(model_dir, overlap_rounds=True, **kw)
     counts = _count_calls(llm.engine)
+    proposals = {"n": 0}
+    if llm.engine.drafter is not None:
+        propose = llm.engine.drafter.propose
+
+        def counted_propose(*args, **kwargs):
+            proposals["n"] += 1
+            return propose(*args, **kwargs)
+
+        llm.engine.drafter.propose = counted_propose
     got = _run(llm.engine, reqs)
     assert got[1] == want[1]  # finish and stop reasons
     if spec_mode == "ar":
         assert got[0] == want[0]  # every piece handed out, in the same steps
         assert counts["advanced"] > 0 and counts["behind"] > 0
         assert 0 < counts["overlapped"] <= counts["behind"]
+    elif drafter == "block":
+        # the block drafter draws sampled requests' drafts, so their tokens follow the route
+        # (with the target's distribution either way): greedy outputs must match
+        greedy = {f"r{i}" for i, (_, p, _) in enumerate(reqs) if p.temperature == 0.0}
+        got_greedy = {k: v for k, v in _joined(got[0]).items() if k[0] in greedy}
+        assert got_greedy == {k: v for k, v in _joined(want[0]).items() if k[0] in greedy}
+        assert len(got_greedy) >= 3
+        assert counts["advanced"] > 0 and proposals["n"] > 0
     else:  # the adaptive policy's route follows measured round times: compare whole outputs
         assert _joined(got[0]) == _joined(want[0])
     _idle(llm.engine)

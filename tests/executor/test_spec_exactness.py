@@ -3,9 +3,10 @@ plain AR greedy token for token, and sampled output has the target's distributio
 
 Rounds are driven by the real `Scheduler` with a policy that draws every request's mode and depth
 at random each round (so requests switch between AR and SPEC all the time and drafters have to
-catch up), through the real `RoundExecutor`, with the ngram drafter and the draft-model drafter
+catch up), through the real `RoundExecutor`, with the ngram drafter, the draft-model drafter
 (an unrelated tiny model, a near copy of the target, and the target drafting for itself so that
-whole chains are accepted). The KV block pool must be back to idle after every run.
+whole chains are accepted) and a random block drafter reading the target's hidden states. The
+KV block pool must be back to idle after every run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from executor.drafters.block_drafter import BlockDrafter
+from executor.drafters.block_model import load_block_drafter
 from executor.drafters.draft_model import DraftModelDrafter
 from executor.drafters.ngram import NgramDrafter
 from executor.drafters.synthetic import SyntheticDrafter
@@ -29,12 +32,14 @@ from scheduler.plan import Mode, RoundPlan, SamplingSpec
 from scheduler.policy import Decision
 from scheduler.request import RequestSpec
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.fixtures.tiny_block_drafter import make_tiny_block_drafter
 from tests.fixtures.tiny_models import make_tiny_model
 
 ACCEPTANCE_PROFILE = Path(__file__).resolve().parents[2] / "scheduler/profiles/acceptance.json"
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 160
 SPEC_DEPTH = 16  # rows per speculating request at most: up to 15 drafts
+BLOCK_LEN = 8  # the block drafter's block: up to 7 drafts
 GREEDY = SamplingSpec(temperature=0.0)
 
 
@@ -81,7 +86,16 @@ def models(tmp_path_factory) -> dict[str, Model]:
         "target": target,
         "draft": load_model(draft_dir, dtype="float32"),
         "near": perturbed(target, 0.05, seed=1),
+        "block": tiny_block_drafter(tmp_path_factory, target),
     }
+
+
+def tiny_block_drafter(tmp_path_factory, target: Model):
+    """A random block drafter of `target` (it reads every one of the target's layers)."""
+    path = make_tiny_block_drafter(
+        tmp_path_factory.mktemp("block"), target.config, seed=7, block_size=BLOCK_LEN
+    )
+    return load_block_drafter(path, target)
 
 
 # -- harness ----------------------------------------------------------------------------------
@@ -140,6 +154,14 @@ def make_drafter(kind: str, models: dict[str, Model], num_blocks: int, max_slots
         return NgramDrafter()
     if kind == "synthetic":
         return SyntheticDrafter(ACCEPTANCE_PROFILE, "code", seed=0)
+    if kind == "block":
+        return BlockDrafter(
+            models["block"],
+            num_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            max_slots=max_slots,
+            max_model_len=MAX_MODEL_LEN + SPEC_DEPTH,
+        )
     model = models[{"draft-self": "target", "draft-near": "near"}.get(kind, "draft")]
     cls = MisreportingDrafter if kind == "draft-misreported" else DraftModelDrafter
     return cls(
@@ -187,11 +209,12 @@ def run_requests(
             max_concurrency=max_slots,
             max_queue=len(specs),
             spec_mode="adaptive" if has_drafter else "ar",
-            spec_depth=SPEC_DEPTH,
+            spec_depth=BLOCK_LEN if isinstance(drafter, BlockDrafter) else SPEC_DEPTH,
             block_size=BLOCK_SIZE,
             max_prefill_tokens=max_prefill_tokens,
             max_model_len=MAX_MODEL_LEN,
             has_drafter=has_drafter,
+            draft_kv_lookahead=getattr(drafter, "kv_lookahead", 0),
             drafter_follows_prefill="on" if follows_prefill else "off",
         ),
         num_kv_blocks=num_blocks,
@@ -313,7 +336,7 @@ def with_stops(rng, ref: list[int], max_tokens: int, req_id: int, prompt) -> tup
 
 
 # -- greedy exactness -------------------------------------------------------------------------
-DRAFTERS = ("ngram", "draft-other", "draft-near", "draft-self")
+DRAFTERS = ("ngram", "draft-other", "draft-near", "draft-self", "block")
 
 
 @pytest.mark.parametrize("drafter_kind", DRAFTERS)
@@ -344,7 +367,7 @@ def test_greedy_spec_equals_ar_under_random_modes(models, drafter_kind):
     # the runs exercised what they claim to
     assert totals.num_spec_rows > 0 and totals.num_ar_rows > 0 and totals.mode_switches > 10
     assert totals.num_accepted > 0
-    if drafter_kind != "draft-other":
+    if drafter_kind not in ("draft-other", "block"):
         # an unrelated random model rarely agrees with the target; the others have accepted
         # runs long enough for stops to fall inside them
         assert sum(totals.stops_inside_run.values()) > 0
@@ -506,8 +529,10 @@ def shrink_vocab(model: Model, vocab_size: int) -> Model:
 
 
 @pytest.fixture(scope="module")
-def small_models(models) -> dict[str, Model]:
-    return {name: shrink_vocab(models[name], SMALL_VOCAB) for name in ("target", "draft")}
+def small_models(models, tmp_path_factory) -> dict[str, Model]:
+    small = {name: shrink_vocab(models[name], SMALL_VOCAB) for name in ("target", "draft")}
+    small["block"] = tiny_block_drafter(tmp_path_factory, small["target"])
+    return small
 
 
 def target_joint(model: Model, prompt: list[int], num_tokens: int, temperature: float):
@@ -609,7 +634,7 @@ def sample_joint(models: dict[str, Model], drafter_kind: str) -> tuple[float, in
     return pvalue, dof, log
 
 
-@pytest.mark.parametrize("drafter_kind", ("ngram", "draft-other"))
+@pytest.mark.parametrize("drafter_kind", ("ngram", "draft-other", "block"))
 def test_sampled_spec_has_the_target_distribution(small_models, drafter_kind):
     pvalue, dof, log = sample_joint(small_models, drafter_kind)
     # speculation really happened, with accepted and rejected drafts
@@ -681,3 +706,96 @@ def test_deferred_drafts_change_no_output(models, monkeypatch, workload):
     assert any(deferred[True]) and not any(deferred[False])
     if workload == "penalised":
         assert penalised_launches and all(penalised_launches)
+
+
+# -- the block drafter's context ---------------------------------------------------------------
+def reference_block_logits(models, context: list[int], block_len: int) -> torch.Tensor:
+    """A block's draft logits [block_len - 1, vocab] from scratch: one fresh target forward over
+    the committed context (but its last token) for the hidden states, then the block drafter's
+    plain-torch one-request forward."""
+    from executor.hidden_capture import HiddenCapture
+    from executor.kv_cache import KVCache
+    from executor.model import AttnMetadata
+
+    target, block = models["target"], models["block"]
+    n = len(context) - 1
+    num_blocks = -(-n // BLOCK_SIZE)
+    kv = KVCache.for_model(target, num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    meta = AttnMetadata(
+        positions=torch.arange(n),
+        slot_mapping=torch.arange(n),
+        cu_q_lens=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None, :],
+    )
+    capture = HiddenCapture.allocate(
+        block.config.target_layer_ids,
+        n,
+        target.config.hidden_size,
+        dtype=target.dtype,
+        device=target.device,
+    )
+    target.forward(torch.tensor(context[:-1]), meta, kv.k, kv.v, capture)
+    features = block.project_context(capture.rows(n))
+    return block.draft_block(
+        features, torch.arange(n), context[-1], torch.arange(n, n + block_len)
+    )
+
+
+def test_block_drafter_context_follows_every_round(models):
+    """Whatever the rounds did before (prefill chunks, AR rounds, accepted and rejected drafts,
+    preemption and recompute), every block the drafter proposes equals the block drafted from
+    scratch over the committed context: its context K/V is never stale, never lags. The random
+    drafter agrees with the target too rarely for accepted runs, so the logits it hands on
+    favour the target's own continuation in most blocks (after the check)."""
+    rng = np.random.default_rng(5)
+    vocab = models["target"].config.vocab_size
+    prompts = [random_prompt(rng, vocab) for _ in range(6)]
+    max_tokens = [int(rng.integers(40, 80)) for _ in range(6)]
+    refs = ar_reference(models, prompts, max_tokens)
+    full = [list(p) + r for p, r in zip(prompts, refs)]
+    specs = [
+        RequestSpec(req_id=i, prompt_token_ids=p, sampling=GREEDY, max_tokens=m)
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
+    checked = {"blocks": 0}
+    block_logits = BlockDrafter._block_logits
+    propose = BlockDrafter.propose
+    requests_of_round = []
+
+    def checking(self, ids, meta, draft_rows):
+        logits = block_logits(self, ids, meta, draft_rows)  # [E, vocab]
+        cu = meta.cu_q_lens.tolist()
+        e = 0
+        for k, request in enumerate(requests_of_round[-1]):
+            block_len = cu[k + 1] - cu[k]
+            context = list(request.context)
+            assert int(meta.seq_lens[k]) == len(context) - 1 + block_len
+            ref = reference_block_logits(models, context, block_len)
+            d = request.num_draft
+            torch.testing.assert_close(logits[e : e + d], ref[:d], rtol=1e-4, atol=1e-4)
+            checked["blocks"] += 1
+            if rng.random() < 0.7:  # steer the drafts towards the target's continuation
+                seq = next(f for f in full if f[: len(context)] == context)
+                truth = seq[len(context) : len(context) + d]
+                rows = torch.arange(e, e + len(truth))
+                logits[rows, torch.tensor(truth, dtype=torch.long)] += 1e4
+            e += d
+        return logits
+
+    def remembering(self, requests, greedy, defer=False):
+        requests_of_round.append(requests)
+        return propose(self, requests, greedy, defer)
+
+    BlockDrafter._block_logits = checking
+    BlockDrafter.propose = remembering
+    try:
+        log = run_requests(models, specs, "block", rng, num_blocks=20)
+    finally:
+        BlockDrafter._block_logits = block_logits
+        BlockDrafter.propose = propose
+    for i in range(len(specs)):
+        assert log.outputs[i] == refs[i], f"request {i}"
+    assert log.num_preemptions > 0 and log.mode_switches > 10
+    assert 0.3 * log.num_drafted < log.num_accepted < 0.95 * log.num_drafted
+    assert checked["blocks"] > 30

@@ -167,3 +167,41 @@ def test_two_tiles_of_one_sequence_match_reference():
     check_attention(batch, rows_per_tile=8, num_splits=1)
     check_attention(batch, rows_per_tile=8, num_splits=3)
     check_attention(batch, max_q_len=16)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    seqs=st.lists(st.tuples(st.integers(1, 17), st.integers(0, 50)), min_size=1, max_size=3),
+    gqa=st.sampled_from([1, 4]),
+    num_splits=st.sampled_from([1, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_non_causal_rows_see_the_whole_sequence(seqs, gqa, num_splits, seed):
+    """causal=False: every row of a sequence attends to all of its KV, as a one-row sequence
+    of the same length would (the causal kernel run row by row is the cross-check)."""
+    batch = ragged_batch(
+        [r for r, _ in seqs],
+        [c for _, c in seqs],
+        num_q_heads=2 * gqa,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=4,
+        dtype=torch.float32,
+        device=DEV,
+        seed=seed,
+    )
+    out = check_attention(batch, num_splits=num_splits, max_q_len=17, causal=False)
+    q, k_cache, v_cache, cu, seq_lens, tables = batch
+    row_seq = torch.repeat_interleave(
+        torch.arange(len(seqs), device=q.device), cu.diff().long()
+    )  # [rows] each row's sequence
+    one_row = verify_attention(
+        q,
+        k_cache,
+        v_cache,
+        torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device),
+        seq_lens[row_seq].contiguous(),
+        tables[row_seq].contiguous(),
+        q.shape[-1] ** -0.5,
+    )
+    assert rel_err(out, one_row) < 1e-5
