@@ -58,6 +58,7 @@ def launch_accept(
     next_draft: torch.Tensor,  # [L] int64 on the device: draft fed at the next row, -1: none
     draft_probs: torch.Tensor | None,  # [num draft rows, vocab] or None
     draft_rows: torch.Tensor | None,  # [num draft rows] logit rows the drafts' q belong to
+    coupled: torch.Tensor | None = None,  # [L] bool: rows whose drafts share the target's noise
 ) -> AcceptLaunch:
     """Greedy rows: the emitted token is the target's argmax (after penalties). A SPEC group of
     `1 + d` rows fed `[last, x_1 .. x_d]`: draft x_j is accepted while x_j == argmax(row j-1);
@@ -78,7 +79,14 @@ def launch_accept(
     x_j == y_j. That happens with probability p(x_j), and on a mismatch y_j is a draw of p
     conditioned on not being x_j, so the rule holds exactly, and the emitted tokens are the
     very tokens plain decoding would have drawn with that seed: a seeded request's output does
-    not depend on the route."""
+    not depend on the route.
+
+    `coupled` rows take that rule for drafts with a distribution too: a request with its own
+    seed has its drafts drawn with the numbers of the target's own draws (`pick_drafts`), so
+    x_j == y_j whenever both races pick the same token (Gumbel-max coupling), and every emitted
+    token is the target's own draw: exact, and the output plain decoding gives with that seed.
+    Rejection sampling accepts more (1 - TV(p, q) per draft, the most any rule can), which is
+    why requests without a seed keep it."""
     num_rows, vocab = logits.shape
     dev = logits.device
     if st.use_penalties:
@@ -100,8 +108,14 @@ def launch_accept(
             q_x = q.gather(1, x)[:, 0]
             residual = (probs - q).clamp(min=0.0)
             u = sampling.uniforms(st, 1, Stream.ACCEPT)[:, 0]  # [L]
-            packed_dev[_ACCEPT] = (has_next & (u * q_x < p_x)).to(torch.int64)
-            packed_dev[_RESIDUAL] = sampling.sample_from_probs(residual, st, Stream.RESIDUAL)
+            accept = u * q_x < p_x  # [L]
+            residual_draw = sampling.sample_from_probs(residual, st, Stream.RESIDUAL)  # [L]
+            if coupled is not None:
+                draw = packed_dev[_DRAW]
+                accept = torch.where(coupled, next_draft == draw, accept)
+                residual_draw = torch.where(coupled, draw, residual_draw)
+            packed_dev[_ACCEPT] = (has_next & accept).to(torch.int64)
+            packed_dev[_RESIDUAL] = residual_draw
     event = None
     if dev.type == "cuda":
         packed = torch.empty((4, num_rows), dtype=torch.int64, pin_memory=True)

@@ -248,7 +248,13 @@ class RoundExecutor:
         # host at launch, so a round with any takes them at once.
         proposal = self.drafter.propose(
             [
-                DraftRequest(s, table.context(s), d, temperature=float(table.float_params[0, s]))
+                DraftRequest(
+                    s,
+                    table.context(s),
+                    d,
+                    temperature=float(table.float_params[0, s]),
+                    seed=int(table.seed[s]) if table.coupled[s] else None,
+                )
                 for s, d in zip(spec_slots, dec.num_draft[spec].tolist())
             ],
             [bool(table.greedy[s]) for s in spec_slots],
@@ -309,6 +315,12 @@ class RoundExecutor:
         """The acceptance of every logit row enqueued on the device, its copy to the host
         started; penalised rows count the drafts before them as output."""
         st = dev.sampling
+        draft_probs = proposal.probs if proposal is not None else None
+        coupled = None
+        if draft_probs is not None and self.table.coupled[batch.row_slot].any():
+            coupled = torch.from_numpy(self.table.coupled[batch.row_slot]).to(
+                self.device, non_blocking=True
+            )  # [L]
         return launch_accept(
             logits,
             st,
@@ -316,8 +328,9 @@ class RoundExecutor:
             batch.row_slot,
             batch.preceding_drafts() if st.use_penalties else None,
             dev.next_draft,
-            proposal.probs if proposal is not None else None,
+            draft_probs,
             dev.draft_rows,
+            coupled,
         )
 
     def _follow_prefill(self, prefills: tuple[ReqPlan, ...]) -> None:

@@ -61,6 +61,8 @@ class SlotTable:
         self.seed = np.zeros(max_slots, dtype=np.int64)
         self.greedy = np.ones(max_slots, dtype=bool)
         self.penalised = np.zeros(max_slots, dtype=bool)
+        # sampled with a seed of its own: its drafts share the target's noise (DraftRequest.seed)
+        self.coupled = np.zeros(max_slots, dtype=bool)
         self.logprobs_k = np.full(max_slots, -1, dtype=np.int64)  # -1: no logprobs
         # A model drafter keeps its KV under the same block ids and reads this table too.
         self.block_tables = np.zeros((max_slots, max_blocks_per_seq), dtype=np.int32)
@@ -81,6 +83,7 @@ class SlotTable:
         self.top_k[slot], self.seed[slot] = row.top_k, row.seed
         self.greedy[slot] = spec.greedy
         self.penalised[slot] = has_penalties(spec)
+        self.coupled[slot] = spec.seed is not None and not spec.greedy
         self.logprobs_k[slot] = -1 if spec.logprobs is None else spec.logprobs
 
     def release(self, slot: int) -> None:

@@ -25,6 +25,16 @@ class DraftRequest:
     # drafts at it; any draft distribution keeps rejection sampling exact, a matching
     # temperature only raises acceptance.
     temperature: float = 1.0
+    # A sampled request with a seed of its own: draft j is drawn with the noise of the target's
+    # own draw of that token (`draw_keys`), so verification keeps the target's draws and the
+    # output is the one plain decoding gives with that seed, whatever the route. None: the
+    # drafter draws as it likes and rejection sampling verifies.
+    seed: int | None = None
+
+    def draw_keys(self) -> tuple[int, int] | None:
+        """(seed, step of draft 1) for a coupled request: draft j's step is step + j - 1, the
+        position of the token it drafts (the key of the target's draw there), else None."""
+        return None if self.seed is None else (self.seed, len(self.context))
 
 
 @dataclass

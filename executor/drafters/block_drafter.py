@@ -27,7 +27,7 @@ from executor.device_clock import DeviceClock
 from executor.drafters.base import DraftBatch, DraftRequest
 from executor.drafters.block_model import BlockDraftModel
 from executor.drafters.draft_chain import drafts_resolver
-from executor.drafters.draft_pick import pick_drafts
+from executor.drafters.draft_pick import DrawKeys, pick_drafts
 from executor.graphs import DEFAULT_BUCKETS, DecodeGraphs, bucket_for
 from executor.kv_cache import KVCache
 from executor.model import AttnMetadata
@@ -153,7 +153,13 @@ class BlockDrafter:
         rows_t = torch.from_numpy(draft_rows).to(dev, non_blocking=True)
         temp_t = torch.from_numpy(np.repeat(temps, num_drafts)).to(dev, non_blocking=True)
         logits = self._block_logits(ids_t, meta, rows_t)  # [E, vocab]
-        tokens_dev, probs = pick_drafts(logits, temp_t, self.generator, bool(temps.any()))
+        keys = {}
+        draw_keys = DrawKeys.of_requests(requests, dev) if temps.any() else None
+        if draw_keys is not None:
+            owner = np.repeat(np.arange(len(requests)), num_drafts)  # [E]
+            offset = np.arange(len(owner)) - draft_offsets[owner]  # [E] draft index - 1
+            keys = draw_keys.rows(torch.from_numpy(owner).to(dev), torch.from_numpy(offset).to(dev))
+        tokens_dev, probs = pick_drafts(logits, temp_t, self.generator, bool(temps.any()), **keys)
         clock.mark()
         resolve = drafts_resolver(
             tokens_dev, clock, 0, int(num_drafts.max()), len(requests), draft_offsets

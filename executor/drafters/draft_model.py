@@ -25,7 +25,7 @@ import torch
 from executor.device_clock import DeviceClock
 from executor.drafters.base import DraftBatch, DraftRequest
 from executor.drafters.draft_chain import ChainPlan, drafts_resolver, plan_chain
-from executor.drafters.draft_pick import pick_drafts
+from executor.drafters.draft_pick import DrawKeys, pick_drafts
 from executor.graphs import DEFAULT_BUCKETS, DecodeGraphs, bucket_for
 from executor.kv_cache import KVCache
 from executor.model import AttnMetadata, Model
@@ -122,6 +122,7 @@ class DraftModelDrafter:
         self.block_tables: np.ndarray | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self._draw_keys: DrawKeys | None = None  # the proposal in progress's coupled requests
 
     def bind_block_tables(self, block_tables: np.ndarray) -> None:
         """Called once by the executor with its block table; the drafter only reads it."""
@@ -258,6 +259,7 @@ class DraftModelDrafter:
         if temps.any():
             probs = torch.zeros(int(draft_offsets[-1]), vocab, dtype=torch.float32, device=dev)
         draft_tokens = torch.zeros(num_reqs, max_draft, dtype=torch.int64, device=dev)
+        self._draw_keys = DrawKeys.of_requests(requests, dev) if temps.any() else None
         chain = plan_chain(
             requests,
             num_drafts,
@@ -489,7 +491,8 @@ class DraftModelDrafter:
     ) -> None:
         """Draft j of every row, on the device (`pick_drafts`); sampled rows' q goes to
         `probs`, greedy rows there hold the point mass of their argmax."""
-        tokens, q = pick_drafts(logits, temp, self.generator, probs is not None)
+        keys = {} if self._draw_keys is None else self._draw_keys.rows(req, j)
+        tokens, q = pick_drafts(logits, temp, self.generator, probs is not None, **keys)
         if q is not None:
             probs[prow + j] = q
         draft_tokens[req, j] = tokens

@@ -118,16 +118,35 @@ def test_max_tokens_inside_an_accepted_run(model_dir):
     _idle(llm)
 
 
-def test_seeded_sampled_output_does_not_depend_on_the_route_with_prompt_lookup(model_dir):
-    """Prompt-lookup drafts are matched against the target's own seeded draws, so speculation
-    changes nothing a seeded request emits."""
-    p = SamplingParams(max_tokens=48, temperature=0.8, top_k=20, seed=11, ignore_eos=True)
+@pytest.fixture(scope="module")
+def drafters(model_dir, tmp_path_factory):
+    """The drafter kinds a seeded request may meet: prompt lookup, a draft model (a tiny model
+    of the same vocabulary) and a random block drafter of the target."""
+    from executor.loader import load_model
+    from tests.fixtures.tiny_block_drafter import make_tiny_block_drafter
+    from tests.fixtures.tiny_models import make_tiny_model
+
+    config = load_model(model_dir).config
+    draft_dir = make_tiny_model(tmp_path_factory.mktemp("draft"), "qwen3", seed=8)
+    block_dir = make_tiny_block_drafter(tmp_path_factory.mktemp("block"), config, seed=2)
+    return {"ngram": "ngram", "draft-model": str(draft_dir), "block": str(block_dir)}
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model", "block"])
+def test_seeded_sampled_output_does_not_depend_on_the_route(model_dir, drafters, drafter):
+    """A request with its own seed gets the text plain decoding gives with that seed under
+    speculation on, off and auto, beside other requests: its drafts are drawn with the target's
+    own noise and verified against its draws (prompt lookup's are matched against them)."""
+    p = SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=11, ignore_eos=True)
+    others = SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)
     ar = _llm(model_dir).generate(PROMPT, p)[0].outputs[0]
-    llm = _llm(model_dir, draft="ngram", spec_mode="spec", spec_depth=8)
-    spec = llm.generate(PROMPT, p)[0].outputs[0]
-    assert spec.num_draft_tokens > 0
-    assert spec.token_ids == ar.token_ids
-    _idle(llm)
+    for mode in ("spec", "adaptive"):
+        llm = _llm(model_dir, draft=drafters[drafter], spec_mode=mode, spec_depth=4)
+        batched = llm.generate(["x = 1", PROMPT, "hello"], [others, p, others])[1].outputs[0]
+        assert batched.token_ids == ar.token_ids, mode
+        if mode == "spec":
+            assert batched.num_draft_tokens > 0
+        _idle(llm)
 
 
 def test_a_failing_round_fails_only_its_requests_and_the_engine_keeps_serving(model_dir):

@@ -618,7 +618,9 @@ def sample_joint(models: dict[str, Model], drafter_kind: str) -> tuple[float, in
         RequestSpec(
             req_id=i,
             prompt_token_ids=tuple(prompt),
-            sampling=SamplingSpec(temperature=TEMPERATURE, seed=1000 + i),
+            # no seed of its own: rejection sampling verifies (a seeded request's drafts are
+            # coupled to the target's draws instead, see the seeded test below)
+            sampling=SamplingSpec(temperature=TEMPERATURE),
             max_tokens=SAMPLED_TOKENS,
         )
         for i in range(NUM_SAMPLES)
@@ -651,6 +653,25 @@ def test_sampled_spec_has_the_target_distribution(small_models, drafter_kind):
     assert log.num_drafted > NUM_SAMPLES
     assert 0 < log.num_accepted < log.num_drafted
     assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {dof} dof"
+
+
+@pytest.mark.parametrize("drafter_kind", ("ngram", "draft-near", "draft-self", "block"))
+def test_seeded_sampled_output_is_plain_decodings_whatever_the_route(models, drafter_kind):
+    """A sampled request with its own seed gives the tokens plain decoding gives with that seed,
+    under random AR/SPEC routes and depths, beside greedy and unseeded requests, with every
+    drafter: its drafts are drawn with the target's own noise and verified against its draws."""
+    vocab = models["target"].config.vocab_size
+    rng = np.random.default_rng(21)
+    samplings = [SamplingSpec(temperature=0.8, seed=40 + i, top_p=0.95) for i in range(4)]
+    samplings += [GREEDY, SamplingSpec(temperature=1.0)]
+    specs = random_specs(rng, vocab, samplings)
+    want = run_requests(models, specs, "none", np.random.default_rng(0))
+    got = run_requests(models, specs, drafter_kind, rng, p_spec=0.8)
+    for i in range(5):  # the seeded and the greedy requests
+        assert got.outputs[i] == want.outputs[i], f"request {i}"
+    assert got.num_drafted > 0
+    if drafter_kind in ("draft-near", "draft-self"):
+        assert got.num_accepted > 0.2 * got.num_drafted
 
 
 def test_sampled_check_catches_a_misreported_draft_distribution(small_models):
