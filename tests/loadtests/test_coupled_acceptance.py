@@ -15,7 +15,7 @@ def test_acceptances_match_monte_carlo():
     noise = torch.empty(40000, 20, 40, dtype=torch.float64).exponential_(generator=gen)
     agree = ((p / noise).argmax(-1) == (q / noise).argmax(-1)).double().mean(0)
     assert torch.allclose(coupling, agree, atol=0.01)
-    assert bound == 0.0  # 40 tokens: every one summed
+    assert float(bound.max()) == 0.0  # 40 tokens: every one summed
     assert (coupling <= rejection + 1e-12).all()  # no exact rule beats 1 - TV
     same = acceptances(p, p)
     assert torch.allclose(same[0], torch.ones(20, dtype=torch.float64))
