@@ -163,8 +163,15 @@ def _skinny_linear_kernel(
 
 @triton.jit
 def _prefetch_weight_l2(
-    w_ptr, offs_n, N, k_start, K, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
+    w_ptr,
+    offs_n,
+    N,
+    k_start,
+    K,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILES: tl.constexpr,
 ):
     """Pulls the first TILES [BLOCK_N, BLOCK_K] tiles of W from k_start on into L2: one
     prefetch per 32-byte sector, addresses clamped into W (a clamped one repeats a sector)."""
@@ -417,6 +424,8 @@ def tuned_here(device: torch.device) -> bool:
         )
         _TUNED_HERE[key] = here
     return here
+
+
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 
 
@@ -451,13 +460,17 @@ def wave_split(n: int, k: int, block_n: int, block_k: int, slots: int) -> int:
 
 
 def choose_config(n: int, k: int, num_rows: int, num_sms: int) -> SkinnyConfig:
-    """The table's entry for this shape, else a rule: dot tiles of 64 x 256 in 4 warps and 3
-    stages (32 KB of W per stage, 120 KB of shared memory: one program per SM), fp32
-    multiply-add tiles of 32 x 256 for a single row (no shared-memory stages: several programs
-    per SM), split-K for the fullest last wave."""
+    """The table's entry for this shape (measured: it wins over the rule), else `rule_config`."""
     tuned = TUNED.get((n, k, row_bucket(num_rows)))
     if tuned is not None:
         return tuned
+    return rule_config(n, k, num_rows, num_sms)
+
+
+def rule_config(n: int, k: int, num_rows: int, num_sms: int) -> SkinnyConfig:
+    """Dot tiles of 64 x 256 in 4 warps and 3 stages (32 KB of W per stage, 120 KB of shared
+    memory: one program per SM), fp32 multiply-add tiles of 32 x 256 for a single row (no
+    shared-memory stages: several programs per SM), split-K for the fullest last wave."""
     if num_rows > 1:
         split = wave_split(n, k, 64, 256, num_sms)
         return SkinnyConfig(64, 256, split, 4, 3, True)
