@@ -28,6 +28,7 @@ from executor.drafters.base import DraftBatch, DraftRequest
 from executor.drafters.block_model import BlockDraftModel
 from executor.drafters.draft_chain import drafts_resolver
 from executor.drafters.draft_pick import DrawKeys, pick_drafts
+from executor.drafters.rerank import OnlineReranker
 from executor.graphs import DEFAULT_BUCKETS, DecodeGraphs, bucket_for
 from executor.kv_cache import KVCache
 from executor.model import AttnMetadata
@@ -50,10 +51,12 @@ class BlockDrafter:
         max_model_len: int,
         seed: int = 0,
         graphs: str = "lazy",
+        reranker: OnlineReranker | None = None,
     ):
         if graphs not in ("lazy", "startup", "off"):
             raise ValueError(f"graphs must be lazy, startup or off, got {graphs!r}")
         cfg = model.config
+        self.reranker = reranker
         self.model = model
         self.device = model.device
         self.block_size = block_size  # the KV page size
@@ -99,13 +102,16 @@ class BlockDrafter:
 
     # -- slot lifecycle: the context lives in the cache under the target's blocks ------------
     def setup(self, slot: int, context: list[int]) -> None:
-        pass
+        if self.reranker is not None:
+            self.reranker.start(slot, context)
 
     def release(self, slot: int) -> None:
-        pass
+        if self.reranker is not None:
+            self.reranker.release(slot)
 
     def commit(self, slot: int, context: Sequence[int], num_accepted: int, num_draft: int) -> None:
-        pass
+        if self.reranker is not None:  # trains on the blocks the committed text now covers
+            self.reranker.sync(slot, context)
 
     def extend_context(
         self,
@@ -160,6 +166,11 @@ class BlockDrafter:
             offset = np.arange(len(owner)) - draft_offsets[owner]  # [E] draft index - 1
             keys = draw_keys.rows(torch.from_numpy(owner).to(dev), torch.from_numpy(offset).to(dev))
         tokens_dev, probs = pick_drafts(logits, temp_t, self.generator, bool(temps.any()), **keys)
+        if self.reranker is not None and any(greedy):
+            tokens_dev = self._rerank(requests, greedy, num_drafts, logits, tokens_dev)
+            if probs is not None:  # greedy rows' point mass on the draft they now carry
+                point = torch.zeros_like(probs).scatter_(1, tokens_dev[:, None], 1.0)
+                probs = torch.where((temp_t > 0)[:, None], probs, point)
         clock.mark()
         resolve = drafts_resolver(
             tokens_dev, clock, 0, int(num_drafts.max()), len(requests), draft_offsets
@@ -168,6 +179,37 @@ class BlockDrafter:
         if not defer:
             batch.resolve()
         return batch
+
+    def _rerank(
+        self,
+        requests: list[DraftRequest],
+        greedy: list[bool],
+        num_drafts: np.ndarray,  # [n]
+        logits: torch.Tensor,  # [E, vocab] the draft rows' logits
+        tokens_dev: torch.Tensor,  # [E] the drafts picked on the device
+    ) -> torch.Tensor:
+        """The greedy requests' drafts re-chosen by the reranker among each row's top-k (one
+        wait for the block, one copy of the candidates each way). -> drafts [E] on the device"""
+        reranker = self.reranker
+        top = logits.topk(reranker.k, dim=-1)  # [E, k] in rank order
+        cand_ids, cand_logits = top.indices.cpu().numpy(), top.values.cpu().numpy()
+        offsets = np.concatenate([[0], np.cumsum(num_drafts)])
+        members = [i for i, g in enumerate(greedy) if g and num_drafts[i]]
+        rows_max = int(num_drafts[members].max())
+        ids = np.zeros((len(members), rows_max, reranker.k), dtype=np.int64)
+        vals = np.zeros((len(members), rows_max, reranker.k), dtype=np.float32)
+        for m, i in enumerate(members):
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            ids[m, : b - a], vals[m, : b - a] = cand_ids[a:b], cand_logits[a:b]
+        slots = [requests[i].slot for i in members]
+        for i in members:
+            reranker.sync(requests[i].slot, requests[i].context)
+        chosen = reranker.rerank(slots, ids, vals, num_drafts[members])  # [m, R]
+        tokens = tokens_dev.cpu().numpy().copy()  # [E]
+        for m, i in enumerate(members):
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            tokens[a:b] = chosen[m, : b - a]
+        return torch.from_numpy(tokens).to(self.device, non_blocking=True)
 
     def _block_logits(
         self, ids: torch.Tensor, meta: AttnMetadata, draft_rows: torch.Tensor

@@ -17,6 +17,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "rederive": ("loadtests.lab.gpu.rederive", "main", "re-derive or pool `gpu` records"),
     "replay": ("loadtests.lab.policy_replay", "main", "engine decisions vs the simulator's (CPU)"),
+    "rerank": (
+        "loadtests.lab.rerank_eval",
+        "main",
+        "block-drafter re-ranker: own-start walk, off vs on (CPU)",
+    ),
     "coupling": (
         "loadtests.lab.coupled_acceptance",
         "main",
