@@ -142,6 +142,12 @@ class RoundExecutor:
             prompt_len = len(context) - s.num_output_tokens
             self.sampler.setup_slot(s.slot, context, prompt_len, s.sampling)
             if self.drafter is not None:
+                # A cached prefix (`s.num_cached_tokens`) needs nothing of a drafter: a block
+                # drafter's context there was written by the forwards that computed those
+                # blocks; a draft model starts the slot at no draft KV and catches up on the
+                # whole context, rewriting its own KV of the shared blocks with what the same
+                # tokens give (numerically close to what other readers hold: only their draft
+                # quality could differ, never a verified token).
                 self.drafter.setup(s.slot, context)
 
     def context(self, slot: int) -> np.ndarray:
@@ -334,12 +340,18 @@ class RoundExecutor:
         )
 
     def _follow_prefill(self, prefills: tuple[ReqPlan, ...]) -> None:
-        """Has the drafter compute the draft KV of this round's prefill chunks."""
-        starts = [q.num_computed for q in prefills]
+        """Has the drafter compute the draft KV of this round's prefill chunks. The first chunk
+        after a cached prefix goes from position 0: the drafter has no draft KV of the prefix
+        (the scheduler counts it followed the same way)."""
+        cached = self.table.num_cached
+        starts = [0 if q.num_computed == cached[q.slot] else q.num_computed for q in prefills]
         self.drafter.follow_prefill(
             [q.slot for q in prefills],
             starts,
-            [self.table.tokens[q.slot, a : a + q.num_new] for q, a in zip(prefills, starts)],
+            [
+                self.table.tokens[q.slot, a : q.num_computed + q.num_new]
+                for q, a in zip(prefills, starts)
+            ],
         )
 
     def _record_event(self) -> torch.cuda.Event | None:

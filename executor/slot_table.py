@@ -54,6 +54,7 @@ class SlotTable:
         self.base_seed = base_seed
         self.slot_req = np.full(max_slots, -1, dtype=np.int64)  # req_id, -1: free
         self.num_computed = np.zeros(max_slots, dtype=np.int64)  # committed KV length
+        self.num_cached = np.zeros(max_slots, dtype=np.int64)  # of it, a cached prefix at setup
         self.context_len = np.zeros(max_slots, dtype=np.int64)  # prompt + committed outputs
         self.tokens = np.zeros((max_slots, max_model_len + 1), dtype=np.int32)  # contexts
         self.float_params = np.zeros((len(FLOAT_PARAMS), max_slots), dtype=np.float32)
@@ -69,12 +70,20 @@ class SlotTable:
 
     def setup(self, s: SeqSetup, context: list[int]) -> None:
         """A request enters `s.slot` with its context (`s.context_token_ids` as a list);
-        nothing of it is computed yet."""
+        nothing of it is computed yet but a cached prefix, whose blocks start its table."""
         slot = s.slot
         if len(context) > self.tokens.shape[1]:
             raise ValueError(f"slot {slot}: context of {len(context)} tokens exceeds the limit")
+        num_cached = s.num_cached_tokens
+        if not 0 <= num_cached < len(context) or (num_cached > 0) != bool(s.cached_block_ids):
+            raise ValueError(
+                f"slot {slot}: {num_cached} cached tokens in {len(s.cached_block_ids)} blocks "
+                f"for a context of {len(context)}"
+            )
+        if s.cached_block_ids:
+            self.block_tables[slot, : len(s.cached_block_ids)] = s.cached_block_ids
         self.slot_req[slot] = s.req_id
-        self.num_computed[slot] = 0
+        self.num_computed[slot] = self.num_cached[slot] = num_cached
         self.context_len[slot] = len(context)
         self.tokens[slot, : len(context)] = context
         spec = s.sampling

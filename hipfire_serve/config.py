@@ -50,6 +50,18 @@ class EngineConfig:
         "decoding with its drafter caught up, would pay back)",
         choices=("off", "on", "auto"),
     )
+    enable_prefix_caching: bool = _f(
+        True,
+        "automatic prefix caching: a prompt's full KV blocks already computed (system prompts, "
+        "earlier turns) are reused instead of recomputed; per tenant unless "
+        "--shared-prefix-cache",
+    )
+    shared_prefix_cache: bool = _f(
+        False,
+        "one prefix cache for all tenants (by default a tenant only reuses blocks its own "
+        "requests made, so no tenant can time another's prompts); a request's cache_salt "
+        "separates either way",
+    )
     overlap_rounds: bool = _f(
         True,
         "launch an AR decode round before the previous one finishes (its tokens stay on the "

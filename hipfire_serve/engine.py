@@ -118,6 +118,8 @@ class Engine:
                 max_model_len=self.max_model_len,
                 has_drafter=self.drafter is not None,
                 draft_kv_lookahead=int(getattr(self.drafter, "kv_lookahead", 0)),
+                enable_prefix_caching=config.enable_prefix_caching,
+                shared_prefix_cache=config.shared_prefix_cache,
                 # the mode where the drafter can follow (a draft model), else off
                 drafter_follows_prefill=(
                     config.drafter_follows_prefill if self.executor.follow_prefill else "off"
@@ -273,6 +275,7 @@ class Engine:
                     tenant=tenant,
                     speculation=params.speculation,
                     arrival_time=now,
+                    cache_salt=params.cache_salt,
                 )
             )
         added: list[int] = []

@@ -11,6 +11,7 @@ import msgspec
 from scheduler.plan import SamplingSpec, TokenLogprob
 
 SPECULATION_CHOICES = ("auto", "on", "off")
+MAX_CACHE_SALT_LEN = 1024
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -32,6 +33,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculation: str = "auto"  # auto | on | off (within what the tenant allows)
+    # vLLM's request field: requests share cached prefix KV only with requests of the same
+    # salt (inside the tenant's own cache unless the operator shares one)
+    cache_salt: str | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the field on out-of-range values."""
@@ -59,6 +63,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.cache_salt is not None and not (
+            isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN
+        ):
+            raise ValueError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} characters"
+            )
         if self.speculation not in SPECULATION_CHOICES:
             raise ValueError(
                 f"speculation must be one of {', '.join(SPECULATION_CHOICES)}, "

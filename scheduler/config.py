@@ -38,6 +38,16 @@ class SchedulerConfig:
         "on, or auto (prompts whose following the policy's speculation on the live batch, "
         "every request decoding with its drafter caught up, would pay back)",
     )
+    enable_prefix_caching: bool = _f(
+        True,
+        "reuse the KV of cached full blocks of a context's prefix (content-addressed, shared "
+        "read-only, evicted LRU when unreferenced); prefill starts after the cached prefix",
+    )
+    shared_prefix_cache: bool = _f(
+        False,
+        "one prefix cache for all tenants; otherwise a tenant only reuses blocks its own "
+        "requests made (requests' cache_salt still separates either way)",
+    )
     prior_acceptance: float = _f(0.7, "drafter acceptance assumed before any observation")
     kv_watermark: float = _f(
         0.01, "fraction of KV blocks kept free at admission, headroom for decode growth"

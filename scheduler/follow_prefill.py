@@ -57,7 +57,8 @@ class FollowPrefillChoice:
             return False
         if mode == "on":
             return True
-        if not any(c.req.num_computed == 0 for c in chunks):
+        # a prompt starts with its first chunk, after a cached prefix if it found one
+        if not any(c.req.num_computed == c.req.num_cached_tokens for c in chunks):
             return self._answer
         num_live = len(self.lifecycle.live)
         asked_live = self._asked_live
@@ -68,7 +69,7 @@ class FollowPrefillChoice:
         if (ask := getattr(policy, "following_pays", None)) is None:
             follow = self.config.spec_mode == "spec"
         else:
-            starting = [c.req for c in chunks if c.req.num_computed == 0]
+            starting = [c.req for c in chunks if c.req.num_computed == c.req.num_cached_tokens]
             profile = self.cost_model.profile
             follow_ms = sum(profile.follow_ms(r.num_prefill_target) for r in starting)
             num_tokens = float(sum(r.num_remaining for r in starting))

@@ -3,8 +3,9 @@
 Before a round, blocks are allocated for every position it writes (prefill chunk; AR row; SPEC
 row + drafts); after it, blocks past the committed length go back. When a prefill chunk or even
 the AR rows do not fit, the most recently admitted other requests are preempted (their context
-is recomputed later by prefill chunks); the longest-running ones are protected. Drafts that do
-not fit are dropped.
+is recomputed later by prefill chunks); the longest-running ones are protected. A victim's
+private blocks are what make room: the blocks it shares with others only lose a reference. Drafts
+that do not fit are dropped.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.kv_blocks import BlockPool, num_blocks_for
 from scheduler.pending_outcomes import PendingOutcomes
 from scheduler.plan import Mode, SeqSetup
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import SPECULATION_CHOICES, ReqState, Request, RequestSpec
 from scheduler.slot_table import SlotTable
 from scheduler.stats import SchedulerCounters
@@ -43,9 +44,11 @@ class RequestLifecycle:
         admission: FairAdmission,
         outcomes: PendingOutcomes,
         counters: SchedulerCounters,
+        prefix_cache: PrefixCache,
     ):
         self.config = config
         self.kv = kv
+        self.prefix_cache = prefix_cache
         self.slot_table = slot_table
         self.admission = admission
         self.outcomes = outcomes
@@ -112,6 +115,7 @@ class RequestLifecycle:
         if req is None or req.state == ReqState.ABORTED:
             return
         del req.output_token_ids[num_output_tokens:]
+        self.prefix_cache.forget_past(req, req.context_len)
         was_done = req.is_done
         req.state = ReqState.FINISHED
         req.finish_reason = "stop"
@@ -158,9 +162,12 @@ class RequestLifecycle:
 
     def admit(self, changes: SlotChanges, now: float, round_id: int) -> None:
         """Waiting requests into free slots, tenant-fair, while the KV pool holds their context
-        beside the prompts still in prefill and the watermark."""
+        beside the prompts still in prefill and the watermark. A request starts from the cached
+        blocks of its context's prefix: it needs blocks only for the rest, plus the cached ones
+        nobody holds (taking them leaves fewer free)."""
         cfg = self.config
         kv = self.kv
+        cache = self.prefix_cache
         if not self.free_slots or not self.admission.num_waiting:
             return  # the common case of a full server: no per-request work
         reserve = int(cfg.kv_watermark * kv.num_total) + sum(
@@ -173,14 +180,20 @@ class RequestLifecycle:
             if req is None:
                 return
             need = num_blocks_for(req.context_len + 1, kv.block_size)
-            if need > kv.num_free - reserve and self.live:
+            hit = cache.hit(req)
+            if hit:
+                need -= len(hit)
+                if need + kv.num_unreferenced(hit) > kv.num_free - reserve and self.live:
+                    return
+            elif need > kv.num_free - reserve and self.live:
                 return  # wait for blocks; an empty server admits anyway (it fits alone)
             self.admission.pop(req)
             reserve += need
             req.slot = self.free_slots.pop()
             self.slot_table.assign(req)
             req.state = ReqState.PREFILLING
-            req.num_computed = 0
+            cache.attach(req, hit)  # num_computed: the cached prefix
+            self.slot_table.num_blocks[req.slot] = len(hit)
             req.num_prefill_target = req.context_len
             req.admit_seq = self._admit_seq
             self._admit_seq += 1
@@ -188,6 +201,8 @@ class RequestLifecycle:
             req.last_mode = Mode.PREFILL  # no decode decision yet
             req.mode_since_round = round_id
             req.drafter_lag = 0
+            # a drafter of its own KV has none of a cached prefix: it catches up from 0
+            req.drafter_followed = 0
             self.outcomes.reset_slot(req.slot)
             self.live.append(req)
             self.cohort_changed = True
@@ -198,6 +213,8 @@ class RequestLifecycle:
                     context_token_ids=req.context_token_ids(),
                     sampling=req.spec.sampling,
                     num_output_tokens=req.num_output,
+                    cached_block_ids=tuple(hit),
+                    num_cached_tokens=req.num_computed,
                 )
             )
 
@@ -232,7 +249,16 @@ class RequestLifecycle:
 
     def _free_slot_state(self, req: Request) -> None:
         """Returns the request's KV blocks and clears its slot's row (the slot index itself is
-        handed back by the caller)."""
+        handed back by the caller). Its full blocks of committed KV stay cached: private ones
+        not cached yet are registered first, shared ones just lose a reference."""
+        if self.prefix_cache.enabled:
+            if req.num_computed >= req.num_prefill_target:  # it decoded: the columns know
+                # (positions past the context's last token are not committed: an advanced
+                # round may be computing one, a stop may have cut the context before it)
+                committed = min(int(self.slot_table.num_computed[req.slot]), req.context_len - 1)
+            else:
+                committed = req.num_computed
+            self.prefix_cache.commit(req, committed)
         self.kv.free(req.req_id)
         self.slot_table.end_decoding(req)
         self.slot_table.clear(req.slot)

@@ -67,13 +67,18 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 class SeqSetup(msgspec.Struct, frozen=True, kw_only=True):
     """A request entering a slot: new, or resumed after preemption (then `context_token_ids`
-    holds prompt + tokens generated so far, all recomputed by PREFILL chunks)."""
+    holds prompt + tokens generated so far, recomputed by PREFILL chunks). A context whose
+    prefix is in the prefix cache starts with `num_cached_tokens` positions computed: its table
+    begins with `cached_block_ids` (shared read-only: no round writes the target's KV there)
+    and its first chunk starts after them."""
 
     req_id: int
     slot: int
     context_token_ids: tuple[int, ...]
     sampling: SamplingSpec
     num_output_tokens: int = 0  # outputs already inside context_token_ids (resume), for penalties
+    cached_block_ids: tuple[int, ...] = ()
+    num_cached_tokens: int = 0  # len(cached_block_ids) * block_size, < len(context_token_ids)
 
 
 class ReqPlan(msgspec.Struct, frozen=True, kw_only=True):

@@ -26,6 +26,9 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str = "default"
     speculation: str = "auto"  # off | on | auto (already clamped by the tenant)
     arrival_time: float = 0.0
+    # requests share cached KV blocks only with equal salts (and tenants, unless the cache is
+    # shared): vLLM's field, for isolation finer than the tenant's
+    cache_salt: str | None = None
 
 
 class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,12 +111,15 @@ class Request:
     __slots__ = (
         "admit_seq",
         "admit_time",
+        "cache_keys",
         "drafter_followed",
         "drafter_lag",
         "finish_reason",
         "last_mode",
         "mode_since_round",
         "num_accepted",
+        "num_cached_blocks",
+        "num_cached_tokens",
         "num_computed",
         "num_drafted",
         "num_preemptions",
@@ -134,6 +140,11 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed = 0
         self.num_prefill_target = 0  # context length the current prefill covers
+        self.cache_keys: list[bytes] = []  # prefix-cache keys of the context's full blocks
+        # blocks at the head of its table already offered to the prefix cache (found there at
+        # admission, or registered once committed)
+        self.num_cached_blocks = 0
+        self.num_cached_tokens = 0  # positions its prefill started from (a prefix-cache hit)
         self.admit_seq = -1  # admission order: lower = admitted earlier (protected first)
         self.admit_time = 0.0
         self.num_preemptions = 0

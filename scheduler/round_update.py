@@ -235,12 +235,13 @@ class ResultApplier:
         req = self.lifecycle.requests.get(q.req_id)
         if req is None or not req.is_live or req.slot != q.slot:
             return  # aborted or preempted meanwhile: its tokens are dropped
-        if q.num_computed == 0:  # (a prefill from the start: a new request or a recompute)
-            req.drafter_followed = 0
-        if followed and req.drafter_followed == q.num_computed:
-            # the drafter computed this chunk: it continued the draft KV it had
-            req.drafter_followed += q.num_new
+        # the drafter computed this chunk if it continued the draft KV it had; the first chunk
+        # after a cached prefix it follows from the start (it has no draft KV of the prefix)
+        start = 0 if q.num_computed == req.num_cached_tokens else q.num_computed
+        if followed and req.drafter_followed == start:
+            req.drafter_followed = q.num_computed + q.num_new
         req.num_computed += q.num_new
+        self.lifecycle.prefix_cache.commit(req, req.num_computed)  # the chunk's full blocks
         if not q.sample:
             return
         req.state = ReqState.DECODING

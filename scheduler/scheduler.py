@@ -7,8 +7,8 @@ Its parts, one job each: `lifecycle` (waiting queue, tenant-fair admission, slot
 budget), `policy_view` and `round_decision` (the speculation decision, made in plan() or ahead
 of it), `follow_prefill` (whether the drafter follows prefill chunks), `round_builder` (the
 RoundPlan), `rounds_in_flight` (plans not yet updated, the advanced round), `round_update`
-(applying a RoundResult) and `stats`. Decoding requests keep their state in per-slot columns
-(`slot_table`) that the parts share.
+(applying a RoundResult), `prefix_cache` (KV blocks found by their content) and `stats`.
+Decoding requests keep their state in per-slot columns (`slot_table`) that the parts share.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from scheduler.prefill_chunks import (
     max_chunk_rows,
     prefill_tail_rows,
 )
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import ReqState, RequestSpec, RoundDeltas
 from scheduler.round_builder import RoundBuilder
 from scheduler.round_decision import RoundDecider
@@ -89,6 +90,9 @@ class Scheduler:
         config.validate()
         self.config = config
         self.kv = BlockPool(num_kv_blocks, config.block_size)
+        self.prefix_cache = PrefixCache(
+            self.kv, config.enable_prefix_caching, config.shared_prefix_cache
+        )
         self.cost_model = cost_model or _default_cost_model()
         self.cost_model.drafter_prefill = False  # per round: whether its chunks are followed
         self.admission = FairAdmission(tenants)
@@ -114,7 +118,13 @@ class Scheduler:
         self._slot_table = SlotTable(config.max_concurrency)
         self._outcomes = PendingOutcomes(self.estimator)
         self._lifecycle = RequestLifecycle(
-            config, self.kv, self._slot_table, self.admission, self._outcomes, self._counters
+            config,
+            self.kv,
+            self._slot_table,
+            self.admission,
+            self._outcomes,
+            self._counters,
+            self.prefix_cache,
         )
         self._requests = self._lifecycle.requests  # every request not yet released, by id
         self._reservation = KVReservation(
@@ -292,7 +302,8 @@ class Scheduler:
             self._round_id,
             self._lifecycle.live,
             self.admission.num_waiting,
-            self.kv.usage,
+            self.kv,
             self._last_plan,
             self._counters,
+            self.prefix_cache,
         )

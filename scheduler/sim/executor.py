@@ -79,6 +79,7 @@ class SimExecutor:
         self.slot_lag = np.zeros(num_slots, dtype=np.int64)  # tokens the drafter has not seen
         # prompt tokens whose draft KV the drafter computed alongside their prefill chunks
         self.slot_followed = np.zeros(num_slots, dtype=np.int64)
+        self.slot_cached = np.zeros(num_slots, dtype=np.int64)  # prefix-cache hit at setup
         self.slot_logprobs = np.zeros(num_slots, dtype=bool)  # the request asked for logprobs
         # whether the last round with requests speculated (the next AR round pays the switch)
         self.last_speculated = False
@@ -92,6 +93,8 @@ class SimExecutor:
             self.slot_req[setup.slot] = setup.req_id
             self.slot_next_index[setup.slot] = setup.num_output_tokens
             self.slot_lag[setup.slot] = 0
+            self.slot_followed[setup.slot] = 0
+            self.slot_cached[setup.slot] = setup.num_cached_tokens
             self.slot_logprobs[setup.slot] = setup.sampling.logprobs is not None
             self.acceptance.enter(setup.slot, setup.req_id)
 
@@ -123,11 +126,11 @@ class SimExecutor:
             assert self.slot_req[slot] == r.req_id, f"slot {slot} does not hold {r.req_id}"
             num_prefill_rows += r.num_new
             # the drafter catches up on what of the context it did not follow (a chunk is
-            # followed when the round says so and it continues the draft KV)
-            if r.num_computed == 0:
-                self.slot_followed[slot] = 0
-            if plan.follow_prefill and self.slot_followed[slot] == r.num_computed:
-                self.slot_followed[slot] += r.num_new
+            # followed when the round says so and it continues the draft KV; the first chunk
+            # after a cached prefix is followed from position 0)
+            start = 0 if r.num_computed == self.slot_cached[slot] else r.num_computed
+            if plan.follow_prefill and self.slot_followed[slot] == start:
+                self.slot_followed[slot] = r.num_computed + r.num_new
             self.slot_lag[slot] = r.num_computed + r.num_new - self.slot_followed[slot]
             req_ids.append(r.req_id)
             firsts.append(self.slot_next_index[slot])

@@ -21,6 +21,7 @@ from scheduler.request import RequestSpec
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sim.acceptance_model import load_cohorts
 from scheduler.sim.executor import SimExecutor
+from scheduler.sim.runner import distinct_prompt
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 
@@ -48,7 +49,7 @@ def bench_plan(
         sched.add_request(
             RequestSpec(
                 req_id=i,
-                prompt_token_ids=tuple(range(1000, 1128)),
+                prompt_token_ids=distinct_prompt(i, 128),
                 sampling=SamplingSpec(),
                 max_tokens=max_tokens,
             )

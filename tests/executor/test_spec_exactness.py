@@ -77,6 +77,10 @@ def perturbed(model: Model, rel_noise: float, seed: int) -> Model:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Model]:
+    return build_models(tmp_path_factory)
+
+
+def build_models(tmp_path_factory) -> dict[str, Model]:
     """The target, an unrelated draft model of another architecture (it almost never agrees
     with the target), and a near copy of the target (it accepts about a fifth of its drafts at
     the random depths of these runs, whole runs of up to 13)."""
@@ -135,6 +139,8 @@ class RunLog:
     num_preemptions: int = 0
     num_catchup_rows: int = 0  # rows the drafter caught up on in its proposals
     reranker_stats: dict = field(default_factory=dict)  # a block drafter's re-ranker, if any
+    prefix_cache_hits: int = 0  # tokens requests started from cached blocks, resumed included
+    logprobs: dict[int, list[float]] = field(default_factory=dict)  # of the chosen tokens
 
 
 class MisreportingDrafter(DraftModelDrafter):
@@ -213,8 +219,13 @@ def run_requests(
     on_plan=None,
     follows_prefill: bool = False,
     graphs: str = "off",
+    enable_prefix_caching: bool = True,
+    arrive_at: dict[int, int] | None = None,
+    abort_at: dict[int, int] | None = None,
 ) -> RunLog:
-    """Runs `specs` to completion; asserts the KV pool is back to idle at the end."""
+    """Runs `specs` to completion; asserts the KV pool is back to idle at the end (the prefix
+    cache holding only blocks nobody references). `arrive_at`: req id -> the round it is added
+    before (others at the start); `abort_at`: req id -> the round it is aborted before."""
     drafter = make_drafter(drafter_kind, models, num_blocks, max_slots, graphs)
     has_drafter = drafter is not None
     sched = Scheduler(
@@ -229,14 +240,19 @@ def run_requests(
             has_drafter=has_drafter,
             draft_kv_lookahead=getattr(drafter, "kv_lookahead", 0),
             drafter_follows_prefill="on" if follows_prefill else "off",
+            enable_prefix_caching=enable_prefix_caching,
         ),
         num_kv_blocks=num_blocks,
         policy=RandomDepthPolicy(rng, p_spec, max_drafts) if has_drafter else None,
     )
     ex = make_executor(models["target"], drafter, num_blocks, max_slots, follows_prefill, graphs)
     assert ex.follow_prefill == (follows_prefill and drafter_kind.startswith("draft"))
+    arrive_at = arrive_at or {}
+    abort_at = abort_at or {}
+    later = {s.req_id: s for s in specs if arrive_at.get(s.req_id, 0) > 0}
     for s in specs:
-        sched.add_request(s)
+        if s.req_id not in later:
+            sched.add_request(s)
     log = RunLog(outputs={s.req_id: [] for s in specs})
     if drafter is not None:
         propose = drafter.propose
@@ -257,9 +273,15 @@ def run_requests(
         drafter.propose = counted
     last_mode: dict[int, Mode] = {}
     num_rounds = 0
-    while sched.has_work():
+    while sched.has_work() or later:
         num_rounds += 1
         assert num_rounds < 2000, "requests did not finish"
+        for req_id in [r for r in later if arrive_at[r] <= num_rounds]:
+            sched.add_request(later.pop(req_id))
+        for req_id, at in abort_at.items():
+            if at == num_rounds:
+                sched.abort(req_id)
+                log.finish.setdefault(req_id, "abort")
         plan = sched.plan(float(num_rounds))
         if on_plan is not None:
             on_plan(plan, sched)
@@ -278,6 +300,8 @@ def run_requests(
             log.longest_accepted = max(log.longest_accepted, rr.num_accepted)
         for d in sched.update(result, float(num_rounds)):
             log.outputs[d.req_id] += d.token_ids
+            if d.logprobs:
+                log.logprobs.setdefault(d.req_id, []).extend(lp.logprob for lp in d.logprobs)
             log.num_drafted += d.num_drafted
             log.num_accepted += d.num_accepted
             if d.finish_reason is not None:
@@ -293,11 +317,14 @@ def run_requests(
                 drafter.kv_len[slots] + sched._slot_table.drafter_lag[slots],
                 sched._slot_table.num_computed[slots],
             ), num_rounds
-    log.num_preemptions = sched.stats.num_preemptions
+    stats = sched.stats
+    log.num_preemptions = stats.num_preemptions
+    log.prefix_cache_hits = sum(stats.prefix_cache_hits.values()) + stats.prefix_cache_resumed_hits
     if getattr(drafter, "reranker", None) is not None:
         log.reranker_stats = drafter.reranker.stats()
     assert sched.num_running == 0 and sched.num_waiting == 0
     assert sched.kv.num_free == sched.kv.num_total
+    assert sched.kv.num_evictable == sched.kv.num_cached
     sched.kv.check()
     return log
 
@@ -330,7 +357,7 @@ def ar_reference(models, prompts: list[tuple[int, ...]], max_tokens: list[int]) 
         RequestSpec(req_id=i, prompt_token_ids=p, sampling=GREEDY, max_tokens=m)
         for i, (p, m) in enumerate(zip(prompts, max_tokens))
     ]
-    log = run_requests(models, specs, "none", np.random.default_rng(0))
+    log = run_requests(models, specs, "none", np.random.default_rng(0), enable_prefix_caching=False)
     assert log.num_spec_rows == 0
     return [log.outputs[i] for i in range(len(prompts))]
 
@@ -790,14 +817,18 @@ def test_block_drafter_context_follows_every_round(models):
     check_block_context(models)
 
 
-def check_block_context(models, graphs: str = "off", tol: float = 1e-4) -> None:
+def check_block_context(
+    models, graphs: str = "off", tol: float = 1e-4, prompts=None, arrive_at=None
+) -> RunLog:
     """Runs requests through random modes with the block drafter, checking every proposed block
     against `reference_block_logits`; outputs must equal AR's. The random drafter agrees with
     the target too rarely for accepted runs, so the logits it hands on favour the target's own
-    continuation in most blocks (after the check)."""
+    continuation in most blocks (after the check). `prompts`: six prompts instead of random
+    ones, `arrive_at` as in `run_requests`."""
     rng = np.random.default_rng(5)
     vocab = models["target"].config.vocab_size
-    prompts = [random_prompt(rng, vocab) for _ in range(6)]
+    if prompts is None:
+        prompts = [random_prompt(rng, vocab) for _ in range(6)]
     max_tokens = [int(rng.integers(40, 80)) for _ in range(6)]
     refs = ar_reference(models, prompts, max_tokens)
     full = [list(p) + r for p, r in zip(prompts, refs)]
@@ -838,7 +869,9 @@ def check_block_context(models, graphs: str = "off", tol: float = 1e-4) -> None:
     BlockDrafter._block_logits = checking
     BlockDrafter.propose = remembering
     try:
-        log = run_requests(models, specs, "block", rng, num_blocks=20, graphs=graphs)
+        log = run_requests(
+            models, specs, "block", rng, num_blocks=20, graphs=graphs, arrive_at=arrive_at
+        )
     finally:
         BlockDrafter._block_logits = block_logits
         BlockDrafter.propose = propose
@@ -847,3 +880,4 @@ def check_block_context(models, graphs: str = "off", tol: float = 1e-4) -> None:
     assert log.num_preemptions > 0 and log.mode_switches > 10
     assert 0.3 * log.num_drafted < log.num_accepted < 0.95 * log.num_drafted
     assert checked["blocks"] > 30
+    return log

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from scheduler.cost_model import CostModel
@@ -18,10 +18,13 @@ from scheduler.sim.executor import SimExecutor
 from tests.scheduler.test_lifecycle_invariants import COHORTS, PROFILE
 
 
-def spec(req_id: int, prompt_len: int, max_tokens: int = 6) -> RequestSpec:
+def spec(req_id: int, prompt_len: int, max_tokens: int = 6, shared: bool = False) -> RequestSpec:
+    """A prompt of its own, or (`shared`) one every request's prompt starts like (the prefix
+    cache then hands later requests the blocks of earlier ones)."""
+    first = 3 if shared else 3 + 100 * req_id
     return RequestSpec(
         req_id=req_id,
-        prompt_token_ids=tuple(range(3, 3 + prompt_len)),
+        prompt_token_ids=tuple(range(first, first + prompt_len)),
         sampling=SamplingSpec(),
         max_tokens=max_tokens,
     )
@@ -135,12 +138,14 @@ def test_auto_asks_a_fixed_policy_whether_it_speculates():
     answers=st.lists(st.booleans(), min_size=1, max_size=12),
     chunk=st.integers(1, 12),
 )
+@example(prompts=[1, 1, 5, 5], answers=[False, False, False, False, True], chunk=2)
 def test_the_lag_kept_for_a_request_is_what_its_drafter_did_not_follow(prompts, answers, chunk):
     """Prompts in chunks over several rounds, each round followed or not: when a request
     starts decoding, the scheduler's drafter lag for it is the part of its prompt the drafter
     did not compute (a chunk counts only while it continues what was followed before), and it
     agrees with the executor's at every round; every plan carries the lag its speculating
-    requests' drafters catch up in it (`drafter_lag_rows`)."""
+    requests' drafters catch up in it (`drafter_lag_rows`). The prompts share their start, so
+    a request may start after a cached prefix: its drafter has none of it to follow from."""
     import itertools
 
     rounds = itertools.cycle(answers)
@@ -148,17 +153,21 @@ def test_the_lag_kept_for_a_request_is_what_its_drafter_did_not_follow(prompts, 
     sched._follows_prefill = lambda prefills: next(rounds)  # the rounds' decisions, scripted
     ex = SimExecutor(PROFILE, COHORTS["code"], 3, seed=0)
     for i, n in enumerate(prompts):
-        sched.add_request(spec(i, n, max_tokens=3))
+        sched.add_request(spec(i, n, max_tokens=3, shared=True))
     followed: dict[int, int] = {}
+    cached: dict[int, int] = {}
     for _ in range(200):
         if not sched.has_work():
             break
         plan = sched.plan(0.0)
+        for s in plan.setup:
+            followed[s.req_id] = 0  # (from nothing, whatever prefix the cache held)
+            cached[s.req_id] = s.num_cached_tokens
         for q in plan.prefills:
-            done = followed.get(q.req_id, 0) if q.num_computed else 0
-            if plan.follow_prefill and done == q.num_computed:
-                done += q.num_new
-            followed[q.req_id] = done
+            # the first chunk after a cached prefix is followed from position 0
+            start = 0 if q.num_computed == cached[q.req_id] else q.num_computed
+            if plan.follow_prefill and followed[q.req_id] == start:
+                followed[q.req_id] = q.num_computed + q.num_new
         spec_rows = plan.decode.num_draft > 0
         assert plan.drafter_lag_rows == int(ex.slot_lag[plan.decode.slots][spec_rows].sum())
         sched.update(ex.run(plan), 0.0)
