@@ -26,6 +26,11 @@ REPLACEMENT_CHAR = "\ufffd"
 # Tokens before the end of the prompt that seed the detokenizer's decode window, so that the first
 # output token is decoded with its left context (leading-space handling of e.g. Metaspace).
 PROMPT_CONTEXT_TOKENS = 5
+# Inputs from this size on go through the `tokenizers` batch calls, which release the GIL while
+# they work (the single-input calls hold it: seconds for a prompt of a few MiB), so a worker
+# thread tokenizing a long prompt leaves the event loop and the engine thread running.
+GIL_FREE_MIN_CHARS = 4096
+GIL_FREE_MIN_IDS = 1024
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -227,20 +232,31 @@ class Tokenizer:
         """Token ids of `text`. With `add_special_tokens` the tokenizer's post-processor runs, and
         `add_bos_token` from tokenizer_config.json is honoured on top of it. Text rendered by
         `apply_chat_template` already carries its special tokens: encode it with False."""
-        ids = self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._encode_ids(text, add_special_tokens)
         if not add_special_tokens or self.bos_token_id is None or self.add_bos_token is None:
             return ids
         bos = self.bos_token_id
         if self.add_bos_token and (not ids or ids[0] != bos):
             return [bos, *ids]
         if not self.add_bos_token and ids and ids[0] == bos:
-            plain = self._hf.encode(text, add_special_tokens=False).ids
+            plain = self._encode_ids(text, False)
             if not plain or plain[0] != bos:  # the post-processor added it: drop it
                 return ids[1:]
         return ids
 
+    def _encode_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) < GIL_FREE_MIN_CHARS:
+            return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        # The fast batch call also skips the character offsets, whose teardown alone holds
+        # the GIL for a while on a long text.
+        encode_batch = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)
+        return encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) < GIL_FREE_MIN_IDS:
+            return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._hf.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     # -- chat ------------------------------------------------------------------------------------
 

@@ -4,20 +4,25 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /he
 GET /metrics. Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
 Order of checks for a generation request: draining (503) -> auth (401) -> body size (413) ->
 body shape and values (400) -> model name (404) -> context length (400) -> tenant's speculation
-modes (400) -> tenant rate limits (429) -> engine queue (503).
+modes (400) -> tenant rate limits (429) -> engine queue (503). A request whose engine is not
+serving (failed, restarting: `supervisor.py`) gets 503 with Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+
 from hipfire_serve.server import http
 from hipfire_serve.server.config import ServerConfig
-from hipfire_serve.server.engine_client import EngineClient
+from hipfire_serve.server.engine_client import EngineClient, EngineUnavailable
 from hipfire_serve.server.generate import Generation, GenerationPlan, TokenTexts
 from hipfire_serve.server.metrics import ServerMetrics
 from hipfire_serve.server.protocol import (
@@ -27,13 +32,23 @@ from hipfire_serve.server.protocol import (
     ModelList,
     RequestError,
     chat_messages,
+    check_capacity,
     decode_request,
     prompt_inputs,
     sampling_params,
 )
+from hipfire_serve.server.supervisor import EngineSupervisor
 from hipfire_serve.server.tenants import RateLimitExceeded, Tenant, TenantRegistry
 
 logger = logging.getLogger("hipfire_serve.server")
+
+# Bodies from this size on are decoded, rendered and tokenized on a worker thread: a prompt of a
+# few MiB takes seconds to tokenize, which on the event loop would stall every stream. Smaller
+# ones stay on the loop, where they cost less than the hop to a thread.
+OFF_LOOP_BODY_BYTES = 32 << 10
+# Worker threads for such bodies at once: the tokenizer releases the GIL, so each takes a core
+# from the engine; a quarter of the cores keeps most of them for it.
+OFF_LOOP_THREADS = max(1, (os.cpu_count() or 1) // 4)
 
 _ROUTES = {
     "/v1/completions": "POST",
@@ -61,6 +76,8 @@ class App:
         config: ServerConfig,
         tenants: TenantRegistry,
         metrics: ServerMetrics,
+        num_slots: int | None = None,
+        max_queue: int | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -69,9 +86,14 @@ class App:
         self.config = config
         self.tenants = tenants
         self.metrics = metrics
+        # The engine's slot pool and queue bound; None: requests are not checked against them.
+        self.num_slots = num_slots
+        self.max_queue = max_queue
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())
         self.draining = False
+        self.supervisor: EngineSupervisor | None = None  # started and stopped with the app
+        self._plan_limiter: anyio.CapacityLimiter | None = None
         self.live: set[Generation] = set()
         self._queue_full_error, self._context_error = _engine_errors()
 
@@ -106,8 +128,11 @@ class App:
             return await http.send_error(send, 405, f"{path} takes {method}")
         try:
             if path == "/health":
-                if self.draining or not self.engine.running:
-                    return await http.send_error(send, 503, "draining or engine stopped")
+                if self.draining:
+                    return await http.send_error(send, 503, "the server is shutting down")
+                if not self.engine.serving:
+                    fault = self.engine.fault or "the engine loop is not running"
+                    return await http.send_error(send, 503, f"the engine is not serving: {fault}")
                 return await http.send_bytes(send, 200, b'{"status":"ok"}')
             if path == "/metrics":
                 return await http.send_bytes(
@@ -127,7 +152,7 @@ class App:
                 scope, receive, send, tenant, chat=path.endswith("chat/completions")
             )
         except RequestError as exc:
-            await http.send_error(send, exc.status, exc.message, exc.param)
+            await http.send_error(send, exc.status, exc.message, exc.param, code=exc.code)
         except http.ClientGone:
             return
 
@@ -136,8 +161,12 @@ class App:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 self.engine.start()
+                if self.supervisor is not None:
+                    self.supervisor.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                if self.supervisor is not None:
+                    await self.supervisor.stop()
                 for generation in list(self.live):
                     generation.abort("shutdown")
                 await self.engine.stop()
@@ -150,12 +179,19 @@ class App:
         self, scope: dict, receive: Any, send: Any, tenant: Tenant, *, chat: bool
     ) -> None:
         arrival = time.monotonic()
+        # --request-timeout counts from arrival: waiting for the engine to take a request in
+        # is part of it. Planning on a worker thread is not interrupted (it is bounded by the
+        # body size), but its time counts.
+        timeout_s = self.config.request_timeout
+        deadline = asyncio.get_running_loop().time() + timeout_s if timeout_s else None
         if self.draining:
             return await http.send_error(
                 send, 503, "the server is shutting down", retry_after_s=self.config.retry_after
             )
+        if not self.engine.serving:
+            return await self._send_engine_unavailable(send, self.engine.fault)
         body = await http.read_body(scope, receive, self.config.max_body_bytes)
-        plan = self._plan(body, tenant, chat=chat)
+        plan = await self._plan_request(body, tenant, chat=chat)
         try:
             self.tenants.admit(tenant, plan.max_tokens_charged)
         except RateLimitExceeded as exc:
@@ -176,12 +212,25 @@ class App:
             arrival=arrival,
             on_tokens_unused=refund,
             stream_interval=self.config.stream_interval,
+            retry_after_s=self.config.retry_after,
         )
         self.live.add(generation)
         watcher = asyncio.create_task(_watch_disconnect(receive, generation.abort))
         try:
             try:
-                await generation.submit()
+                async with asyncio.timeout_at(deadline):
+                    await generation.submit()
+            except TimeoutError:
+                refund(plan.max_tokens_charged)
+                return await http.send_error(
+                    send,
+                    504,
+                    "request timed out (--request-timeout) waiting for the engine to take it in; "
+                    "it was aborted",
+                )
+            except EngineUnavailable as exc:
+                refund(plan.max_tokens_charged)
+                return await self._send_engine_unavailable(send, str(exc))
             except self._queue_full_error as exc:
                 refund(plan.max_tokens_charged)
                 return await http.send_error(
@@ -199,16 +248,32 @@ class App:
                 refund(plan.max_tokens_charged)
                 message = str(exc)
                 raise RequestError(message, message.split(" ", 1)[0]) from None
-            timeout_s = self.config.request_timeout
             if plan.stream:
-                await generation.reply_sse(send, timeout_s)
+                await generation.reply_sse(send, deadline)
             else:
-                await generation.reply_json(send, timeout_s)
+                await generation.reply_json(send, deadline)
         finally:
             watcher.cancel()
             if not generation.done:
                 generation.abort("disconnect")
             self.live.discard(generation)
+
+    async def _send_engine_unavailable(self, send: Any, fault: str | None) -> None:
+        await http.send_error(
+            send,
+            503,
+            f"the engine is not serving ({fault or 'stopped'}); retry later",
+            retry_after_s=self.config.retry_after,
+        )
+
+    async def _plan_request(self, body: bytes, tenant: Tenant, *, chat: bool) -> GenerationPlan:
+        """`_plan`, on a worker thread for a large body (OFF_LOOP_BODY_BYTES)."""
+        if len(body) < OFF_LOOP_BODY_BYTES:
+            return self._plan(body, tenant, chat=chat)
+        if self._plan_limiter is None:
+            self._plan_limiter = anyio.CapacityLimiter(OFF_LOOP_THREADS)
+        plan = functools.partial(self._plan, body, tenant, chat=chat)
+        return await anyio.to_thread.run_sync(plan, limiter=self._plan_limiter)
 
     def _plan(self, body: bytes, tenant: Tenant, *, chat: bool) -> GenerationPlan:
         """Decodes and checks a request body (RequestError on anything wrong)."""
@@ -269,6 +334,10 @@ class App:
         if max_tokens >= 1 and longest + max_tokens > self.max_model_len:
             raise _context_length_error(longest, max_tokens, self.max_model_len, chat)
         params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+        if self.num_slots is not None and self.max_queue is not None:
+            check_capacity(
+                len(token_ids), params.n, num_slots=self.num_slots, max_queue=self.max_queue
+            )
         try:
             params.speculation = tenant.speculation_mode(params.speculation)
         except ValueError as exc:
@@ -295,7 +364,8 @@ class App:
             token_ids = prompt
         if not token_ids:
             raise RequestError(f"{param} is empty (no tokens)", param)
-        return list(token_ids)
+        # The tokenizer and the decoder give lists already: a copy of a long one costs ms.
+        return token_ids if isinstance(token_ids, list) else list(token_ids)
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
@@ -332,6 +402,7 @@ def _context_length_error(
         f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} for the "
         "completion). Please reduce the length of the prompt or max_tokens.",
         "max_tokens" if prompt_len < max_model_len else where,
+        code="context_length_exceeded",
     )
 
 

@@ -7,18 +7,29 @@ one `call_soon_threadsafe` call, so the cost of crossing threads is paid per rou
 token. (`docs/server.md` says why the thread, not the process, is the default.)
 
 Commands are applied between rounds, so an abort frees its slot and KV in the next round.
+
+A thread that dies (an exception escaped the driver) reports it to the event loop at once; a
+thread stuck in a round cannot be replaced, as it still owns the engine and its device memory,
+so the supervisor ends the server instead (`docs/reliability.md`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from hipfire_serve.server.engine_client import EngineClient
+from hipfire_serve.server.engine_client import EngineClient, EngineUnavailable
 from hipfire_serve.server.engine_loop import CallCommand, EngineDriver
+
+logger = logging.getLogger("hipfire_serve.server")
+
+# How long `stop` waits for a failed engine's thread: one stuck in a round may never return.
+FAILED_JOIN_S = 1.0
 
 
 class AsyncEngine(EngineClient):
@@ -52,9 +63,18 @@ class AsyncEngine(EngineClient):
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+            timeout_s = FAILED_JOIN_S if self.fault is not None else None
+            await asyncio.to_thread(self._thread.join, timeout_s)
+            if self._thread.is_alive():
+                logger.warning("the engine thread is still inside a round; leaving it behind")
             self._thread = None
-        self._fail_all("shutdown")
+        self._end_everything("shutdown", EngineUnavailable("the server is shutting down"))
+
+    def fail(self, message: str) -> None:
+        # A thread that comes back from a stuck round must not serve again.
+        self._stopping = True
+        self._wake.set()
+        super().fail(message)
 
     @property
     def running(self) -> bool:
@@ -71,6 +91,15 @@ class AsyncEngine(EngineClient):
     # --- engine-thread side ---
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:
+            logger.exception("the engine thread died")
+            message = f"the engine thread died: {type(exc).__name__}: {exc}"
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                self._loop.call_soon_threadsafe(self.report_fault, message)
+
+    def _serve(self) -> None:
         driver = self._driver
         loop = self._loop
         while not self._stopping:

@@ -48,7 +48,16 @@ class ServerConfig:
     metrics_compat: str = _f(
         "none", "also export metrics under vLLM's names", choices=("none", "vllm")
     )
-    request_timeout: float = _f(600.0, "seconds after which a request is aborted (0: never)")
+    metrics_tenant_labels: bool = _f(
+        False,
+        "label per-request metrics with the tenant's name; /metrics takes no API key, so anyone "
+        "who can reach it then sees every tenant's name and traffic",
+    )
+    request_timeout: float = _f(
+        600.0,
+        "seconds from a request's arrival (waiting for the engine to take it included) after "
+        "which it is aborted with 504 (0: never)",
+    )
     drain_timeout: float = _f(
         30.0, "on SIGTERM/SIGINT: seconds to finish in-flight requests before aborting them"
     )
@@ -64,7 +73,19 @@ class ServerConfig:
         "(no GIL shared with HTTP handling; outputs cross a pipe)",
         choices=("thread", "process"),
     )
-    retry_after: int = _f(1, "seconds put in Retry-After when the queue is full (503)")
+    retry_after: int = _f(
+        1, "seconds put in Retry-After with a 503 (queue full, draining, engine down)"
+    )
+    engine_stall_timeout: float = _f(
+        30.0,
+        "seconds without an engine round, while requests wait on the engine, after which the "
+        "engine counts as stalled and is failed like a dead one (0: never)",
+    )
+    engine_restarts: int = _f(
+        3,
+        "process loop: restarts of a dead or stalled engine allowed within 10 minutes; past "
+        "them (and always with the thread loop) the server exits with status 1",
+    )
 
     def validate(self) -> None:
         """Raises ValueError with a one-line reason for a bad setting."""
@@ -87,6 +108,12 @@ class ServerConfig:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.retry_after < 1:
             raise ValueError(f"--retry-after must be >= 1, got {self.retry_after}")
+        if self.engine_stall_timeout < 0:
+            raise ValueError(
+                f"--engine-stall-timeout must be >= 0, got {self.engine_stall_timeout}"
+            )
+        if self.engine_restarts < 0:
+            raise ValueError(f"--engine-restarts must be >= 0, got {self.engine_restarts}")
         if self.tenants and not Path(self.tenants).is_file():
             raise ValueError(f"--tenants {self.tenants}: no such file")
 

@@ -5,6 +5,10 @@ each request's `RequestStream`, and applies each round's `RoundBatch`: add outco
 waiters, outputs to their streams, stats to the metrics. A subclass supplies only the transport
 (`_send`, `start`, `stop`, `running`) and calls `_deliver` with every batch that arrives. All
 methods run on the event loop.
+
+It also keeps what the supervisor (`supervisor.py`) judges the engine by: a fault the transport
+reported (the thread died, the child exited), and when the engine last showed progress while
+something waited on it. `fail` ends everything waiting on a failed engine at once.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ from hipfire_serve.server.engine_loop import (
 from hipfire_serve.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger("hipfire_serve.server")
+
+
+class EngineUnavailable(Exception):
+    """The engine is not serving: it failed (died or stalled), is restarting, or has stopped.
+    Clients get 503 with Retry-After."""
 
 
 class StreamClosed(Exception):
@@ -117,6 +126,11 @@ class EngineClient(abc.ABC):
         self._adds: dict[str, asyncio.Future] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._next_call_id = 0
+        self.fault: str | None = None  # why the engine is not serving now (None: it is)
+        self.last_fault: str | None = None  # the latest fault, kept after a restart
+        self.on_fault: Callable[[], None] | None = None  # wakes the supervisor
+        self.last_stats: Any = None  # the latest engine stats (slot capacity for resets)
+        self._progress_at = time.monotonic()  # last batch, or when work started waiting
 
     # --- transport, supplied by the subclass ---
 
@@ -128,6 +142,63 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def running(self) -> bool:
         """Whether the engine side is alive and taking commands."""
+
+    @property
+    def can_restart(self) -> bool:
+        """Whether `restart` can replace a failed engine (the process loop)."""
+        return False
+
+    async def restart(self) -> None:
+        """Replaces a failed engine with a fresh one and clears the fault."""
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        """Ends the engine side at once where that is possible (a child process)."""
+        return None  # a thread cannot be killed
+
+    @property
+    def serving(self) -> bool:
+        return self.fault is None and self.running
+
+    # --- health, for the supervisor ---
+
+    def report_fault(self, message: str) -> None:
+        """The transport saw the engine fail; the supervisor takes it from here."""
+        if self.fault is None:
+            self.fault = self.last_fault = message
+        if self.on_fault is not None:
+            self.on_fault()
+
+    @property
+    def num_waiting_on_engine(self) -> int:
+        """Adds, streams and calls that wait for the engine."""
+        return len(self._adds) + len(self._streams) + len(self._calls)
+
+    @property
+    def progress_at(self) -> float:
+        """When the engine last delivered a batch, or when work started waiting on it."""
+        return self._progress_at
+
+    def _note_waiting(self) -> None:
+        # Idle time is no stall: the clock starts when the first waiter arrives.
+        if not self.num_waiting_on_engine:
+            self._progress_at = time.monotonic()
+
+    def fail(self, message: str) -> None:
+        """Marks the engine failed and ends everything waiting on it: adds and calls raise
+        EngineUnavailable, streams close with `engine_failed`."""
+        if self.fault is None:
+            self.fault = self.last_fault = message
+        self._end_everything("engine_failed", EngineUnavailable(message))
+
+    def _end_everything(self, reason: str, error: Exception) -> None:
+        """Closes every stream with `reason` and fails every add and call with `error`."""
+        futures = [*self._adds.values(), *self._calls.values()]
+        self._calls.clear()
+        for future in futures:
+            if not future.done():
+                future.set_exception(error)
+        self._fail_all(reason)
 
     # --- requests ---
 
@@ -144,8 +215,9 @@ class EngineClient(abc.ABC):
         """Hands a request to the engine; returns the monotonic time the engine took it in.
         Raises what `Engine.add_request` raises (QueueFullError, ContextLengthError,
         ValueError)."""
-        if not self.running:
-            raise RuntimeError("the engine loop is not running")
+        if not self.serving:
+            raise EngineUnavailable(self.fault or "the engine loop is not running")
+        self._note_waiting()
         future = self._loop.create_future()
         self._adds[request_id] = future
         self._streams[request_id] = stream
@@ -164,7 +236,8 @@ class EngineClient(abc.ABC):
     def abort(self, request_id: str) -> None:
         """Stops delivering to `request_id` now; the engine frees it in its next round."""
         self._streams.pop(request_id, None)
-        self._send(AbortCommand(request_id))
+        if self.serving:  # a failed engine's requests went with it
+            self._send(AbortCommand(request_id))
 
     async def stats(self) -> Any:
         """`Engine.stats()` as of the next round (the snapshot the metrics get too)."""
@@ -172,6 +245,9 @@ class EngineClient(abc.ABC):
 
     async def _ask(self, make_command: Callable[[int], Any]) -> Any:
         """Sends `make_command(call_id)`; returns the answer the engine side gives that id."""
+        if not self.serving:
+            raise EngineUnavailable(self.fault or "the engine loop is not running")
+        self._note_waiting()
         call_id = self._next_call_id
         self._next_call_id += 1
         future = self._loop.create_future()
@@ -184,6 +260,7 @@ class EngineClient(abc.ABC):
     def _deliver(self, batch: RoundBatch) -> None:
         """Applies one round's batch: add outcomes, outputs, answers, metrics."""
         now = time.monotonic()
+        self._progress_at = now
         for reply in batch.replies:
             future = self._adds.get(reply.request_id)
             if future is None or future.done():
@@ -202,6 +279,8 @@ class EngineClient(abc.ABC):
             self._answer(answer.call_id, answer.value, answer.error)
         if batch.stepped:
             self.num_rounds += 1
+        if batch.stats is not None:
+            self.last_stats = batch.stats
         if batch.stats is not None and self.on_round is not None:
             try:
                 self.on_round(batch.stats)

@@ -5,19 +5,26 @@ runs in its own process, so its Python work never waits for the event loop's hol
 and vice versa. The price: each round's batch is serialized (msgpack) across a pipe, and the
 server process loads its own copy of the tokenizer. `docs/perf/server.md` compares the two loops.
 
-The child ignores SIGINT and SIGTERM (a terminal's Ctrl+C reaches the whole process group): the
-parent's drain decides when requests end, then tells the child to stop. The child exits by
-itself when the pipe closes.
+The child ignores SIGINT and SIGTERM (a terminal's Ctrl+C reaches the whole process group, and
+systemd signals the whole control group): the parent's drain decides when requests end, then
+tells the child to stop. The child never outlives the server (`lifeline.py`).
+
+A failed child (it exited, or the supervisor found it stalled and killed it) is replaced by
+`restart`: a fresh child loads the engine while the server answers 503; requests of the old one
+have already been failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +32,7 @@ import msgspec
 
 from hipfire_serve.config import EngineConfig
 from hipfire_serve.engine import EngineStats
-from hipfire_serve.server.engine_client import EngineClient
+from hipfire_serve.server.engine_client import EngineClient, EngineUnavailable
 from hipfire_serve.server.engine_loop import (
     AbortCommand,
     AddCommand,
@@ -33,6 +40,7 @@ from hipfire_serve.server.engine_loop import (
     RoundBatch,
     StatsCommand,
 )
+from hipfire_serve.server.lifeline import watch_parent
 
 logger = logging.getLogger("hipfire_serve.server")
 
@@ -57,7 +65,8 @@ class Failed(msgspec.Struct, tag="failed"):
 # --- child -------------------------------------------------------------------------------------
 
 
-def _child_main(config: EngineConfig, tenant_specs: list, conn) -> None:
+def _child_main(config: EngineConfig, tenant_specs: list, conn, lifeline, parent_pid: int) -> None:
+    watch_parent(lifeline, parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     encoder = msgspec.msgpack.Encoder()
@@ -92,6 +101,58 @@ def _child_main(config: EngineConfig, tenant_specs: list, conn) -> None:
 # --- parent ------------------------------------------------------------------------------------
 
 
+class _Child:
+    """One engine child process: its pipe, the lifeline it watches, and the writer thread that
+    keeps pipe writes (which block while the child is inside a round) off the event loop."""
+
+    def __init__(self, ctx: Any, config: EngineConfig, tenant_specs: list) -> None:
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        child_lifeline, self._lifeline = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=_child_main,
+            args=(config, tenant_specs, child_conn, child_lifeline, os.getpid()),
+            name="hipfire-engine",
+            daemon=True,
+        )
+        self.proc.start()
+        child_conn.close()
+        child_lifeline.close()
+        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, daemon=True)
+
+    def wait_ready(self) -> Ready:
+        """Blocks until the engine is loaded; ValueError with the child's reason if not."""
+        try:
+            first = msgspec.msgpack.decode(self.conn.recv_bytes(), type=Ready | Failed)
+        except (EOFError, OSError):
+            self.proc.join(timeout=10)
+            raise ValueError(
+                f"the engine process exited while starting (status {self.proc.exitcode})"
+            ) from None
+        if isinstance(first, Failed):
+            self.proc.join(timeout=10)
+            raise ValueError(first.message)
+        return first
+
+    def start_writer(self) -> None:
+        self._writer.start()
+
+    def _write_loop(self) -> None:
+        while (data := self.outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:
+                return
+
+    def kill(self) -> None:
+        if self.proc.exitcode is None:
+            self.proc.kill()
+
+    def close(self) -> None:
+        """Stops the writer; the pipes close with this object."""
+        self.outbox.put(None)
+
+
 class ProcessEngine(EngineClient):
     """The app's engine loop with the engine in a child process."""
 
@@ -99,72 +160,111 @@ class ProcessEngine(EngineClient):
         from hipfire_serve.tokenizer import Tokenizer
 
         super().__init__()
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=_child_main,
-            args=(config, list(tenant_specs), child_conn),
-            name="hipfire-engine",
-            daemon=True,
-        )
-        self._proc.start()
-        child_conn.close()
-        first = msgspec.msgpack.decode(self._conn.recv_bytes(), type=Ready | Failed)
-        if isinstance(first, Failed):
-            self._proc.join(timeout=10)
-            raise ValueError(first.message)
+        self._config = config
+        self._tenant_specs = list(tenant_specs)
+        self._ctx = mp.get_context("spawn")
+        self._child = _Child(self._ctx, config, self._tenant_specs)
+        # multiprocessing joins its children at exit, and this one ignores SIGTERM: an exit that
+        # skipped `stop` would wait on it forever.
+        atexit.register(_kill_at_exit, weakref.ref(self))
+        first = self._child.wait_ready()
         self.model_name = first.model_name
         self.max_model_len = first.max_model_len
         self.tokenizer = Tokenizer.from_dir(first.tokenizer_dir)
         self._decoder = msgspec.msgpack.Decoder(RoundBatch[EngineStats])
         self._encoder = msgspec.msgpack.Encoder()
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, daemon=True)
+        self._attached = False
         self._stopped = False
 
-    def _write_loop(self) -> None:
-        # Pipe writes can block while the child is inside a round: never on the event loop.
-        while (data := self._outbox.get()) is not None:
-            try:
-                self._conn.send_bytes(data)
-            except OSError:
-                return
-
     def _send(self, command: Any) -> None:
-        self._outbox.put(self._encoder.encode(command))
+        self._child.outbox.put(self._encoder.encode(command))
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._writer.start()
-        self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        self._attach()
+
+    def _attach(self) -> None:
+        self._child.start_writer()
+        self._loop.add_reader(self._child.conn.fileno(), self._on_readable)
+        self._attached = True
+
+    def _detach(self) -> None:
+        if self._attached:
+            self._attached = False
+            self._loop.remove_reader(self._child.conn.fileno())
+            self._child.close()
 
     async def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
-        self._send(StopCommand())
-        self._outbox.put(None)
-        if self._loop is not None:
-            self._loop.remove_reader(self._conn.fileno())
-        await asyncio.to_thread(self._proc.join, 30)
-        if self._proc.is_alive():
-            self._proc.kill()
-        self._fail_all("shutdown")
+        child = self._child
+        if self.fault is None and self._attached:
+            self._send(StopCommand())
+        else:
+            child.kill()
+        self._detach()
+        await asyncio.to_thread(child.proc.join, 30)
+        child.kill()
+        self._end_everything("shutdown", EngineUnavailable("the server is shutting down"))
 
     @property
     def running(self) -> bool:
-        return not self._stopped and self._proc.is_alive()
+        return not self._stopped and self._attached and self._child.proc.exitcode is None
 
     @property
     def pid(self) -> int:
         """The engine process's id."""
-        return self._proc.pid
+        return self._child.proc.pid
+
+    def kill(self) -> None:
+        self._child.kill()
+
+    def fail(self, message: str) -> None:
+        # A stalled child may hold a half-sent batch or come back later: it is killed, not asked.
+        self._detach()
+        self._child.kill()
+        super().fail(message)
+
+    @property
+    def can_restart(self) -> bool:
+        return not self._stopped
+
+    async def restart(self) -> None:
+        """A fresh child in place of the failed one; ValueError if it cannot start."""
+        old = self._child
+        old.kill()
+        await asyncio.to_thread(old.proc.join, 10)
+        logger.warning(
+            "engine process %d ended with status %s; starting a fresh one",
+            old.proc.pid,
+            old.proc.exitcode,
+        )
+        # Started from the event-loop thread, which lives as long as the server (`lifeline.py`).
+        child = _Child(self._ctx, self._config, self._tenant_specs)
+        self._child = child
+        try:
+            await asyncio.to_thread(child.wait_ready)
+        except BaseException:
+            child.kill()
+            raise
+        if self._stopped:
+            child.kill()
+            return
+        self._attach()
+        self.fault = None
 
     def _on_readable(self) -> None:
+        conn = self._child.conn
         try:
-            while self._conn.poll():
-                self._deliver(self._decoder.decode(self._conn.recv_bytes()))
+            while conn.poll():
+                self._deliver(self._decoder.decode(conn.recv_bytes()))
         except (EOFError, OSError):
-            self._loop.remove_reader(self._conn.fileno())
-            logger.error("the engine process exited")
-            self._fail_all("error")
+            self._detach()
+            self.report_fault("the engine process exited")
+
+
+def _kill_at_exit(ref: weakref.ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.kill()

@@ -36,11 +36,12 @@ from hipfire_serve.server.protocol import (
 from hipfire_serve.types import RequestOutput, SamplingParams
 
 # finish reasons the server reports as errors instead of choices
-_STATUS_OF_CLOSE = {"timeout": 504, "shutdown": 503, "error": 500}
+_STATUS_OF_CLOSE = {"timeout": 504, "shutdown": 503, "error": 500, "engine_failed": 503}
 _MESSAGE_OF_CLOSE = {
     "timeout": "request timed out (--request-timeout) and was aborted",
     "shutdown": "the server is shutting down; the request was aborted",
     "error": "the engine failed while generating this request",
+    "engine_failed": "the engine stopped serving ({fault}); the request was aborted, retry it",
 }
 
 
@@ -111,6 +112,7 @@ class Generation:
         arrival: float,
         on_tokens_unused: Callable[[int], None],
         stream_interval: int = 1,
+        retry_after_s: int = 1,
     ) -> None:
         self.plan = plan
         self.engine = engine
@@ -120,6 +122,7 @@ class Generation:
         self.tenant = tenant
         self.arrival = arrival
         self.on_tokens_unused = on_tokens_unused
+        self.retry_after_s = retry_after_s
         prefix = "chatcmpl-" if plan.chat else "cmpl-"
         self.id = prefix + uuid.uuid4().hex
         self.created = int(time.time())
@@ -170,7 +173,7 @@ class Generation:
         for rid in self._unfinished:
             self.engine.abort(rid)
         if self._unfinished:
-            self._finish_metrics("abort")
+            self._finish_metrics("error" if reason == "engine_failed" else "abort")
         self._unfinished.clear()
         self.stream.close(reason)
 
@@ -283,15 +286,18 @@ class Generation:
 
     # --- replies ---
 
-    async def reply_json(self, send: Any, timeout_s: float) -> None:
+    async def reply_json(self, send: Any, deadline: float | None) -> None:
+        """The whole response once done; `deadline` (event-loop time) ends it with 504."""
         try:
-            async with asyncio.timeout(timeout_s or None):
+            async with asyncio.timeout_at(deadline):
                 while not self.done:
                     await self.next_outputs()
         except TimeoutError:
             self.abort("timeout")
             return await self._send_close_error(send, "timeout")
         except StreamClosed as closed:
+            if closed.reason == "engine_failed":
+                self.abort("engine_failed")
             return await self._send_close_error(send, closed.reason)
         if self.stream.closed_reason is not None:
             return await self._send_close_error(send, self.stream.closed_reason)
@@ -302,7 +308,14 @@ class Generation:
     async def _send_close_error(self, send: Any, reason: str) -> None:
         if reason == "disconnect":
             return
-        await http.send_error(send, _STATUS_OF_CLOSE[reason], _MESSAGE_OF_CLOSE[reason])
+        status = _STATUS_OF_CLOSE[reason]
+        retry_after_s = self.retry_after_s if status == 503 else None
+        await http.send_error(
+            send, status, self._close_message(reason), retry_after_s=retry_after_s
+        )
+
+    def _close_message(self, reason: str) -> str:
+        return _MESSAGE_OF_CLOSE[reason].format(fault=self.engine.last_fault or "failed")
 
     def _full_response(self) -> Completion | ChatCompletion:
         usage = self.usage()
@@ -340,14 +353,15 @@ class Generation:
             text_offset=c.lp_offsets[start:end],
         )
 
-    async def reply_sse(self, send: Any, timeout_s: float) -> None:
-        """Streams chunks, one `send` per engine round; ends with `data: [DONE]`."""
+    async def reply_sse(self, send: Any, deadline: float | None) -> None:
+        """Streams chunks, one `send` per engine round; ends with `data: [DONE]`. `deadline`
+        (event-loop time) ends it with a 504 error event."""
         try:
             await http.start_sse(send)
             await send(
                 {"type": "http.response.body", "body": self._opening_chunks(), "more_body": True}
             )
-            async with asyncio.timeout(timeout_s or None):
+            async with asyncio.timeout_at(deadline):
                 while not self.done:
                     views = await self.next_outputs()
                     payload = self._delta_chunks(views)
@@ -366,6 +380,8 @@ class Generation:
         except StreamClosed as closed:
             if closed.reason == "disconnect":
                 return
+            if closed.reason == "engine_failed":
+                self.abort("engine_failed")
             return await self._end_sse_with_error(send, closed.reason)
         except OSError:
             # The socket went away under a send: same as a disconnect.
@@ -378,7 +394,7 @@ class Generation:
 
     async def _end_sse_with_error(self, send: Any, reason: str) -> None:
         status = _STATUS_OF_CLOSE[reason]
-        body = http.error_body(status, _MESSAGE_OF_CLOSE[reason])
+        body = http.error_body(status, self._close_message(reason))
         with contextlib.suppress(OSError):
             await send(
                 {

@@ -1,10 +1,14 @@
-"""Minimal ASGI plumbing: reading bodies with a size limit, sending JSON, errors and SSE."""
+"""Minimal ASGI plumbing: reading bodies with a size limit, sending JSON, errors and SSE; the
+HTTP protocol that answers unparseable requests in the same error shape; the access-log filter
+that keeps query-string values (keys sent as `?api_key=`) out of the logs."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from hipfire_serve.server.protocol import ErrorInfo, ErrorResponse, RequestError
 
@@ -115,3 +119,61 @@ def sse_event(payload: bytes) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, answering a request it cannot parse (a malformed request
+    line, a `Content-Length` that is no number) in OpenAI's error shape instead of plain text.
+    The parser stops at the fault, so the connection is closed after the reply."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = error_body(
+            400,
+            "malformed HTTP request: the request line or a header (such as Content-Length) "
+            "could not be parsed",
+        )
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        for name, value in self.server_state.default_headers:
+            head.extend([name, b": ", value, b"\r\n"])
+        head.extend(
+            [
+                b"content-type: application/json\r\n",
+                b"content-length: " + str(len(body)).encode() + b"\r\n",
+                b"connection: close\r\n\r\n",
+            ]
+        )
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+def redact_query(path: str) -> str:
+    """`path?name=value&...` with every value (and every bare part) replaced by `***`."""
+    base, sep, query = path.partition("?")
+    if not sep:
+        return path
+    parts = [
+        (part.partition("=")[0] + "=***" if "=" in part else "***") if part else ""
+        for part in query.split("&")
+    ]
+    return base + "?" + "&".join(parts)
+
+
+class _RedactQueryValues(logging.Filter):
+    """Rewrites the path of uvicorn's access-log records (`%s - "%s %s HTTP/%s" %d`, the path
+    third) with `redact_query`. No route takes query parameters, so the values tell a reader
+    nothing, while any of them may be a credential (`?api_key=...`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            record.args = (*args[:2], redact_query(args[2]), *args[3:])
+        return True
+
+
+_REDACT_QUERY_VALUES = _RedactQueryValues()
+
+
+def redact_access_log() -> None:
+    """Installs the query-value filter on uvicorn's access logger (idempotent). Call it after
+    `uvicorn.Config` is built: that configures logging, but keeps the filters of loggers."""
+    logging.getLogger("uvicorn.access").addFilter(_REDACT_QUERY_VALUES)

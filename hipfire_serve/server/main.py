@@ -2,13 +2,16 @@
 
 Shutdown: the first SIGTERM/SIGINT starts a drain (new requests get 503, in-flight ones run up
 to --drain-timeout, then the rest are aborted), after which the process exits 0. A second signal
-exits at once.
+ends the process at once with 128 + its number (130 for SIGINT, 143 for SIGTERM), the engine
+child killed first. An engine the supervisor cannot restart ends it with status 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -22,7 +25,9 @@ from hipfire_serve.server.app import App
 from hipfire_serve.server.async_engine import AsyncEngine
 from hipfire_serve.server.config import ServerConfig, resolve
 from hipfire_serve.server.engine_client import EngineClient
+from hipfire_serve.server.http import JsonErrorHttpToolsProtocol, redact_access_log
 from hipfire_serve.server.metrics import ServerMetrics
+from hipfire_serve.server.supervisor import EngineSupervisor
 from hipfire_serve.server.tenants import Tenant, TenantRegistry, load_tenants
 
 logger = logging.getLogger("hipfire_serve.server")
@@ -37,7 +42,9 @@ class DrainingServer(uvicorn.Server):
         self.startup_line = startup_line
         self.port: int | None = None
         self.started_event = asyncio.Event()
+        self.exit_status = 0
         self._drain_started = False
+        self._num_signals = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list | None = None) -> None:
@@ -51,12 +58,22 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # Not recorded for re-raising (uvicorn's default), so a drained server exits 0.
-        if self._drain_started or self._loop is None:
+        self._num_signals += 1
+        name = signal.Signals(sig).name
+        if self._num_signals > 1:
+            logger.warning("received %s again: exiting now", name)
+            self.app.engine.kill()
+            exit_at_once(128 + sig)
+        if self._loop is None:
             self.should_exit = True
-            self.force_exit = self._drain_started
             return
-        logger.info("received %s: draining", signal.Signals(sig).name)
+        logger.info("received %s: draining", name)
         self._loop.call_soon_threadsafe(self.begin_drain)
+
+    def on_engine_fatal(self, fault: str) -> None:
+        """The supervisor gave up on the engine: exit (status 1) once the replies are out."""
+        self.exit_status = 1
+        self.should_exit = True
 
     def begin_drain(self) -> None:
         """Drain, then exit the serve loop (event-loop thread)."""
@@ -88,7 +105,11 @@ def build_server(
     (driven from a thread) or a `ProcessEngine` (already running in its child process).
     `tenants=None`: open access."""
     model_name = server_config.served_model_name or engine.model_name
-    metrics = ServerMetrics(model_name, vllm_compat=server_config.metrics_compat == "vllm")
+    metrics = ServerMetrics(
+        model_name,
+        vllm_compat=server_config.metrics_compat == "vllm",
+        tenant_labels=server_config.metrics_tenant_labels,
+    )
     registry = TenantRegistry.open_access() if tenants is None else TenantRegistry(tenants)
     engine_loop = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
     engine_loop.on_round = metrics.observe_engine
@@ -100,12 +121,14 @@ def build_server(
         config=server_config,
         tenants=registry,
         metrics=metrics,
+        num_slots=engine_config.max_concurrency,
+        max_queue=engine_config.max_queue,
     )
     uv_config = uvicorn.Config(
         app,
         host=server_config.host,
         port=server_config.port,
-        http="httptools",
+        http=JsonErrorHttpToolsProtocol,
         loop="uvloop",
         lifespan="on",
         log_level=server_config.log_level,
@@ -113,6 +136,7 @@ def build_server(
         timeout_graceful_shutdown=max(1.0, server_config.drain_timeout + 5.0),
         h11_max_incomplete_event_size=server_config.max_body_bytes,
     )
+    redact_access_log()  # after uvicorn.Config, which configures logging
     access = (
         f"{len(tenants)} tenant(s) from {server_config.tenants}"
         if tenants is not None
@@ -128,6 +152,13 @@ def build_server(
         f"http://{url_host}:{{port}}/v1 with {access}"
     )
     server = DrainingServer(uv_config, app, line)
+    app.supervisor = EngineSupervisor(
+        engine_loop,
+        stall_timeout_s=server_config.engine_stall_timeout,
+        max_restarts=server_config.engine_restarts,
+        is_draining=lambda: app.draining,
+    )
+    app.supervisor.on_fatal = server.on_engine_fatal
     return Built(server=server, app=app, engine=engine_loop)
 
 
@@ -159,7 +190,21 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     uvloop.run(built.server.serve())
+    if built.server.exit_status:
+        # A stalled engine thread may still be inside a round: the interpreter's teardown
+        # would wait on it or destroy the native threads under it.
+        exit_at_once(built.server.exit_status)
     return 0
+
+
+def exit_at_once(status: int) -> None:
+    """Ends the process now, skipping the interpreter's teardown (which would join or destroy
+    an engine thread in the middle of a round: a hang or an abort)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

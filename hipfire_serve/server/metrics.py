@@ -5,9 +5,12 @@ Dashboards and routers built for vLLM read the same names after a prefix swap; w
 `vllm:gpu_cache_usage_perc`). The scheduler's own metrics (rows, routes, phases, predicted vs
 measured round time, policy switches, slots) have no vLLM counterpart and stay `hipfire:` only.
 
-Labels: `model_name` everywhere; `tenant` on per-request metrics (tenants come from a file, so
-the label stays low-cardinality). Updates come from the event-loop thread only (one batch per
-engine round), never from the engine thread, so rounds do not pay for them.
+Labels: `model_name` everywhere; `tenant` on per-request metrics only with
+`--metrics-tenant-labels`: `/metrics` takes no API key, so the label would show every tenant's
+name and traffic to anyone who reaches the port (tenants come from a file, so the label stays
+low-cardinality when on). Metrics labelled by `model_name` alone exist from start-up (gauges at
+0), so scrapes and `rate()` see them before the first request. Updates come from the event-loop
+thread only (one batch per engine round), never from the engine thread, so rounds do not pay.
 """
 
 from __future__ import annotations
@@ -197,16 +200,24 @@ class ServerMetrics:
     """All metric objects of one server, in their own registry (tests run several servers
     in one process); each `METRICS` entry is an attribute (`MetricSpec.attr`)."""
 
-    def __init__(self, model_name: str, *, vllm_compat: bool = False) -> None:
+    def __init__(
+        self, model_name: str, *, vllm_compat: bool = False, tenant_labels: bool = False
+    ) -> None:
         self.model_name = model_name
+        self.tenant_labels = tenant_labels
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple, Any] = {}
         for spec in METRICS:
             extra = {} if spec.buckets is None else {"buckets": spec.buckets}
+            labels = (
+                spec.labels if tenant_labels else tuple(n for n in spec.labels if n != "tenant")
+            )
             metric = spec.kind(
-                PREFIX + spec.name, spec.help, spec.labels, registry=self.registry, **extra
+                PREFIX + spec.name, spec.help, labels, registry=self.registry, **extra
             )
             setattr(self, spec.attr, metric)
+            if labels == _M:
+                self._c(metric, model_name)  # exported from start-up, at 0
         if vllm_compat:
             self.registry.register(
                 _VllmAliases([(getattr(self, s.attr), s) for s in METRICS if s.in_vllm])
@@ -261,17 +272,20 @@ class ServerMetrics:
             if count:
                 self._c(self.spec_decode_num_accepted_tokens_per_pos, name, str(pos)).inc(count)
 
+    def _labels(self, tenant: str) -> tuple[str, ...]:
+        return (self.model_name, tenant) if self.tenant_labels else (self.model_name,)
+
     def request_admitted(self, tenant: str, num_prompt_tokens: int, queue_s: float) -> None:
-        labels = (self.model_name, tenant)
+        labels = self._labels(tenant)
         self._c(self.prompt_tokens, *labels).inc(num_prompt_tokens)
         self._c(self.request_queue_time, *labels).observe(queue_s)
 
     def first_token(self, tenant: str, ttft_s: float) -> None:
-        self._c(self.time_to_first_token, self.model_name, tenant).observe(ttft_s)
+        self._c(self.time_to_first_token, *self._labels(tenant)).observe(ttft_s)
 
     def tokens_generated(self, tenant: str, num_tokens: int, gap_s: float | None) -> None:
         """`num_tokens` arrived together `gap_s` after the previous ones (None: the first)."""
-        labels = (self.model_name, tenant)
+        labels = self._labels(tenant)
         self._c(self.generation_tokens, *labels).inc(num_tokens)
         if gap_s is not None and num_tokens > 0:
             # Speculation delivers several tokens at once: each counts gap / num_tokens.
@@ -289,7 +303,7 @@ class ServerMetrics:
         ttft_s: float | None,
         num_output_tokens: int,
     ) -> None:
-        labels = (self.model_name, tenant)
+        labels = self._labels(tenant)
         self._c(self.request_success, *labels, finish_reason).inc()
         self._c(self.e2e_request_latency, *labels).observe(e2e_s)
         if ttft_s is not None and num_output_tokens > 1:

@@ -1,10 +1,12 @@
 """OpenAI-compatible request and response bodies as msgspec Structs.
 
 Requests ignore unknown fields (clients send vendor extras) and are decoded strictly otherwise:
-a wrong type becomes a `RequestError` naming the field. Range checks reuse
-`SamplingParams.validate`, so the server and the offline API reject the same values.
-Response Structs omit nothing OpenAI's clients read; `None` fields are sent as `null` because
-the official shapes carry them (`logprobs: null`, `finish_reason: null` in stream chunks).
+a wrong type becomes a `RequestError` naming the field. An explicit `null` for an optional field
+means its default, as OpenAI's API reads it. Range checks reuse `SamplingParams.validate`, so the
+server and the offline API reject the same values.
+Response Structs carry every key OpenAI's OpenAPI spec requires, `null` where it allows that
+(`logprobs`, chat `refusal`, `finish_reason` in stream chunks), and leave out
+`system_fingerprint`, which the spec allows only as a string.
 """
 
 from __future__ import annotations
@@ -25,18 +27,53 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 class RequestError(Exception):
     """A client error: answered with 400 (or `status`) in OpenAI's error shape."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        self.code = code
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+class _NullIsDefault(msgspec.Struct, kw_only=True):
+    """A request Struct whose optional fields read an explicit `null` as their default.
+
+    OpenAI's spec marks its optional request fields nullable, and clients send `null` for
+    "not set". A field declared `T | None = default` with a non-None default gets that default
+    back here, so the code reading it sees a `T`.
+    """
+
+    def __post_init__(self) -> None:
+        for name, default in _non_null_defaults(type(self)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+_NON_NULL_DEFAULTS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _non_null_defaults(cls: type) -> tuple[tuple[str, Any], ...]:
+    found = _NON_NULL_DEFAULTS.get(cls)
+    if found is None:
+        found = _NON_NULL_DEFAULTS[cls] = tuple(
+            (f.name, f.default)
+            for f in msgspec.structs.fields(cls)
+            if f.default is not msgspec.NODEFAULT and f.default is not None
+        )
+    return found
+
+
+class StreamOptions(_NullIsDefault, kw_only=True):
+    include_usage: bool | None = False
+
+
+class _SamplingFields(_NullIsDefault, kw_only=True):
     """Fields shared by both endpoints (OpenAI names plus vLLM's extensions)."""
 
     model: str | None = None
@@ -46,18 +83,19 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    n: int = 1
+    n: int | None = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stream: bool = False
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    speculation: str = "auto"
+    speculation: str | None = "auto"
+    cache_salt: str | None = None  # vLLM's: prefix-cache isolation finer than the tenant's
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -65,7 +103,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     # array types, so the shape is checked by `prompt_inputs`.
     prompt: Any = None
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
 
 
@@ -83,7 +121,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage] | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
 
 
@@ -104,6 +142,9 @@ def decode_request(body: bytes, request_type: type) -> Any:
         raise RequestError(message, param) from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # The decoder recurses per nesting level, unknown (skipped) fields included.
+        raise RequestError("request body is not valid JSON: nested too deeply") from None
 
 
 def prompt_inputs(prompt: Any) -> list[str | list[int]]:
@@ -197,6 +238,7 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         speculation=req.speculation,
+        cache_salt=req.cache_salt,
         **{k: v for k, v in optional.items() if v is not None},
     )
     try:
@@ -205,6 +247,27 @@ def sampling_params(
         message = str(exc)
         raise RequestError(message, message.split(" ", 1)[0]) from None
     return params
+
+
+def check_capacity(num_prompts: int, n: int, *, num_slots: int, max_queue: int) -> None:
+    """RequestError (400) for a request the engine could never take in whole, however long the
+    client waited (a 503 would invite retries that cannot succeed): one prompt's `n` choices
+    enter the queue together, and all of a request's choices must fit in the slots plus the
+    queue at once."""
+    if n > max_queue:
+        raise RequestError(
+            f"n={n} choices of one prompt enter the queue together, but it holds {max_queue} "
+            f"requests: this request can never be served; use n <= {max_queue}",
+            "n",
+        )
+    num_choices = num_prompts * n
+    if num_choices > num_slots + max_queue:
+        raise RequestError(
+            f"{num_prompts} prompt(s) x n={n} = {num_choices} choices, but the server holds at "
+            f"most {num_slots + max_queue} at once ({num_slots} slots + {max_queue} queue "
+            "places): this request can never be served; send fewer prompts or a smaller n",
+            "n" if num_prompts == 1 else "prompt",
+        )
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -236,7 +299,6 @@ class _Response(msgspec.Struct, kw_only=True):
     model: str
     choices: list[Any]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -263,11 +325,13 @@ class ChatTokenLogprob(TopLogprob, kw_only=True):
 
 class ChatLogprobs(msgspec.Struct, kw_only=True):
     content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None  # required by the spec, never produced
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    refusal: str | None = None  # required by the spec, never produced
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):

@@ -153,7 +153,7 @@ def server(tiny_model_dir) -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="session")
 def tenant_server(tiny_model_dir) -> Iterator[RunningServer]:
-    running = start_real_server(tiny_model_dir, tenants=TENANTS)
+    running = start_real_server(tiny_model_dir, tenants=TENANTS, metrics_tenant_labels=True)
     yield running
     running.stop()
 
