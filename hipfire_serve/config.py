@@ -79,7 +79,8 @@ class EngineConfig:
     synthetic_cost_drafter: str = _f(
         "none",
         "with --draft synthetic: a real drafter run every round for its cost only, its proposals "
-        "discarded ('none', 'ngram', a draft model directory or 'random:NAME')",
+        "discarded ('none', 'ngram', a draft model directory, 'random:NAME' or "
+        "'random-block:NAME', a random-weight block drafter beside the target)",
     )
     seed: int = _f(0, "base seed for sampling without a per-request seed")
 

@@ -12,6 +12,7 @@ import torch
 from executor.drafters.base import Drafter
 from executor.drafters.block_config import is_block_drafter_dir
 from executor.drafters.block_model import BlockDraftModel, load_block_drafter
+from executor.drafters.random_block import random_block_drafter
 from executor.kv_cache import KVCache, auto_kv_budget, parse_bytes
 from executor.loader import load_model, resolve_dtype
 from executor.model import Model
@@ -22,6 +23,7 @@ from hipfire_serve.tokenizer import Tokenizer
 from scheduler.kv_blocks import num_blocks_for
 
 RANDOM_PREFIX = "random:"
+RANDOM_BLOCK_PREFIX = "random-block:"  # a random-weight block drafter beside the target
 
 
 @dataclass(frozen=True)
@@ -73,14 +75,19 @@ def _draft_model(
     config: EngineConfig, draft_spec: str, target: Model, device
 ) -> Model | BlockDraftModel | None:
     """The model the drafter runs, if any (a synthetic drafter may run one for its cost): a
-    draft model, or a block drafter when the directory holds one."""
+    draft model, or a block drafter when the directory holds one ('random-block:NAME': one of
+    random weights beside the target)."""
     model_spec = config.synthetic_cost_drafter if draft_spec == "synthetic" else draft_spec
     if model_spec.startswith(RANDOM_PREFIX):
         return _random_model(config, model_spec, device, seed=1)
     if model_spec in ("none", "ngram", "synthetic"):
         return None
-    if is_block_drafter_dir(model_spec):
-        drafter = load_block_drafter(model_spec, target)
+    block = model_spec.startswith(RANDOM_BLOCK_PREFIX)
+    if block or is_block_drafter_dir(model_spec):
+        if block:
+            drafter = random_block_drafter(target, model_spec[len(RANDOM_BLOCK_PREFIX) :], seed=1)
+        else:
+            drafter = load_block_drafter(model_spec, target)
         if config.spec_depth > drafter.config.block_size:
             raise ValueError(
                 f"--spec-depth {config.spec_depth} exceeds the block drafter's block of "

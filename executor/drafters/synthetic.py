@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from executor.drafters.base import DraftBatch, Drafter, DraftRequest
 from scheduler.sim.acceptance_model import (
@@ -66,7 +67,8 @@ class SyntheticDrafter:
     and SPEC rounds nor on when it was admitted: policies are compared on the same traces.
 
     Cost: on its own the drafter costs nothing, which flatters speculation. Given a real drafter
-    as `inner` (ngram, a draft model), every call is passed on to it as well: its proposals are
+    as `inner` (ngram, a draft model, a block drafter), every call is passed on to it as well
+    (a block drafter's context write after every target forward too): its proposals are
     computed and thrown away, so each round pays the drafting and catch-up time that drafter
     would, while acceptance still comes from the profile. The inner drafter is told the
     synthetic accepted counts at commit, so its own state (a draft model's valid KV length,
@@ -100,6 +102,27 @@ class SyntheticDrafter:
         """The executor's block table, for an inner drafter that keeps paged KV of its own."""
         if hasattr(self.inner, "bind_block_tables"):
             self.inner.bind_block_tables(block_tables)
+
+    # A block drafter inside reads the target's hidden states and writes its block past the
+    # verified rows: the executor captures and the scheduler reserves for it as for the real one.
+    @property
+    def capture_layer_ids(self) -> tuple[int, ...] | None:
+        return getattr(self.inner, "capture_layer_ids", None)
+
+    @property
+    def kv_lookahead(self) -> int:
+        return int(getattr(self.inner, "kv_lookahead", 0))
+
+    def extend_context(
+        self,
+        target_hidden: torch.Tensor,  # [rows, len(layer ids) * hidden]
+        positions: torch.Tensor,  # [rows] int64
+        slot_mapping: torch.Tensor,  # [rows] int64
+    ) -> None:
+        """The block drafter's context write after every target forward (a no-op without one:
+        an engine set up for a block drafter runs other cost drafters in its place)."""
+        if hasattr(self.inner, "extend_context"):
+            self.inner.extend_context(target_hidden, positions, slot_mapping)
 
     def setup(self, slot: int, context: list[int]) -> None:
         if self.inner is not None:

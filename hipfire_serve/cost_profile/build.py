@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from executor.drafters.block_model import BlockDraftModel
 from executor.drafters.draft_model import MAX_CATCHUP_PASSES
 from executor.profiling.device import measure_ceilings
 from executor.profiling.drafts import (
@@ -25,6 +26,7 @@ from executor.profiling.drafts import (
 )
 from executor.profiling.rounds import RoundTimer, time_prefill_rows, time_rounds_ahead
 from executor.round_executor import RoundExecutor
+from hipfire_serve.cost_profile.blocks import block_drafter_sections, with_context_write
 from hipfire_serve.cost_profile.engine_steps import (
     host_points,
     time_ar_restart,
@@ -258,7 +260,6 @@ def build_profile(
     draft_model = getattr(engine.drafter, "model", None)
     # (a synthetic drafter runs its inner drafter for the cost)
     inner = getattr(engine.drafter, "inner", engine.drafter)
-    passes = getattr(inner, "catchup_rows_per_pass", 0)
     if inner is not None and draft_model is None and hasattr(inner, "propose"):
         # a drafter without a model costs host time in every speculating round
         profile["drafter_host"] = host_drafter_profile(
@@ -268,60 +269,14 @@ def build_profile(
             ref,
             cfg.vocab_size,
         )
-    if draft_model is not None:
-        draft_rows = tuple(r for r in rows if r <= ex.max_slots)
-        drafts = tuple(sorted({r - 1 for r in _spec_rows_per_seq(spec_depth)}))
-        # one drafter for both timings (its slots caught up by the first)
-        bench = draft_bench(
-            draft_model,
-            max(draft_rows + spec_counts),
-            ref,
-            max((7, *drafts)),
-            table_width=ex.max_blocks_per_seq,
+    if isinstance(draft_model, BlockDraftModel):
+        block, scheduled = block_drafter_sections(
+            engine, draft_model, profile["target"], kv_lens, spec_counts, ref, spec_repeats
         )
-        profile["draft_model"] = {
-            "shape": f"{draft_model.config.arch}: hidden {draft_model.config.hidden_size}, "
-            f"{draft_model.config.num_layers} layers",
-            # at the target's reference context: a step reads every drafting request's KV
-            "rows_ms_per_step": time_draft_steps(
-                draft_model, draft_rows, repeats, context_len=ref, bench=bench
-            ),
-            "context_len": ref,
-            "note": "one chain step; a depth-D chain costs D-1 steps",
-            # a whole proposal by (speculating requests, drafts), right after a verified round
-            "propose_ms": time_draft_proposals(
-                draft_model, spec_counts, drafts, spec_repeats, context_len=ref, bench=bench
-            ),
-            # catching up a whole prompt (after a prefill): one eager forward of its rows
-            "catchup_rows_ms": time_draft_catchup(
-                draft_model,
-                catchup_profile_rows(engine.max_model_len),
-                max(1, repeats // 2),
-                rows_per_req=CATCHUP_PROMPT_ROWS,
-            ),
-            # proposals at longer contexts: the draft KV every step reads
-            **_draft_kv_fields(
-                draft_model, spec_counts, spec_depth, ref, engine, spec_repeats, ex, bench
-            ),
-            # a graphed drafter catches up in passes (DraftModelDrafter._step0)
-            **(
-                {
-                    "catchup_rows_per_pass": passes,
-                    "max_catchup_passes": getattr(inner, "max_catchup_passes", MAX_CATCHUP_PASSES),
-                }
-                if passes
-                else {}
-            ),
-            # ... and runs longer ones in wide passes padded to these row buckets (_wide_rows)
-            **(
-                {
-                    "catchup_pass_rows": int(inner.wide_pass_rows),
-                    "catchup_pass_buckets": [int(b) for b in inner.wide_buckets],
-                }
-                if getattr(inner, "wide_buckets", ())
-                else {}
-            ),
-        }
+        profile["block_drafter"], profile["draft_model"] = block, scheduled
+        profile["target"] = with_context_write(profile["target"], block["context_write_ms"])
+    elif draft_model is not None:
+        profile["draft_model"] = draft_model_section(engine, draft_model, inner, rows, ref, repeats)
     if host_overhead and engine.drafter is not None:
         # the speculating terms above put together as the engine runs them (after them: the
         # ratio is against their price)
@@ -329,3 +284,70 @@ def build_profile(
             engine, profile, host_points(ex.max_slots), ref
         )
     return profile
+
+
+def draft_model_section(
+    engine: Engine, draft_model, inner, rows: tuple[int, ...], ref: int, repeats: int
+) -> dict:
+    """The profile's `draft_model` section of a draft model (a chain drafter) at the reference
+    context `ref`: its chain step (at `rows` within the slots), whole proposals, catch-ups and
+    draft KV growth, as `build_profile` documents them, with `inner` the drafter that runs it
+    (its catch-up passes and wide buckets; it need not be the engine's own)."""
+    ex = engine.executor
+    spec_depth = engine.config.spec_depth
+    spec_counts = _spec_counts(ex.max_slots)
+    spec_repeats = max(1, min(SPEC_REPEATS, repeats))
+    passes = getattr(inner, "catchup_rows_per_pass", 0)
+    draft_rows = tuple(r for r in rows if r <= ex.max_slots)
+    drafts = tuple(sorted({r - 1 for r in _spec_rows_per_seq(spec_depth)}))
+    # one drafter for both timings (its slots caught up by the first)
+    bench = draft_bench(
+        draft_model,
+        max(draft_rows + spec_counts),
+        ref,
+        max((7, *drafts)),
+        table_width=ex.max_blocks_per_seq,
+    )
+    return {
+        "shape": f"{draft_model.config.arch}: hidden {draft_model.config.hidden_size}, "
+        f"{draft_model.config.num_layers} layers",
+        # at the target's reference context: a step reads every drafting request's KV
+        "rows_ms_per_step": time_draft_steps(
+            draft_model, draft_rows, repeats, context_len=ref, bench=bench
+        ),
+        "context_len": ref,
+        "note": "one chain step; a depth-D chain costs D-1 steps",
+        # a whole proposal by (speculating requests, drafts), right after a verified round
+        "propose_ms": time_draft_proposals(
+            draft_model, spec_counts, drafts, spec_repeats, context_len=ref, bench=bench
+        ),
+        # catching up a whole prompt (after a prefill): one eager forward of its rows
+        "catchup_rows_ms": time_draft_catchup(
+            draft_model,
+            catchup_profile_rows(engine.max_model_len),
+            max(1, repeats // 2),
+            rows_per_req=CATCHUP_PROMPT_ROWS,
+        ),
+        # proposals at longer contexts: the draft KV every step reads
+        **_draft_kv_fields(
+            draft_model, spec_counts, spec_depth, ref, engine, spec_repeats, ex, bench
+        ),
+        # a graphed drafter catches up in passes (DraftModelDrafter._step0)
+        **(
+            {
+                "catchup_rows_per_pass": passes,
+                "max_catchup_passes": getattr(inner, "max_catchup_passes", MAX_CATCHUP_PASSES),
+            }
+            if passes
+            else {}
+        ),
+        # ... and runs longer ones in wide passes padded to these row buckets (_wide_rows)
+        **(
+            {
+                "catchup_pass_rows": int(inner.wide_pass_rows),
+                "catchup_pass_buckets": [int(b) for b in inner.wide_buckets],
+            }
+            if getattr(inner, "wide_buckets", ())
+            else {}
+        ),
+    }

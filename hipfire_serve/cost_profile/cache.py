@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 CACHE_DIR = Path.home() / ".cache" / "hipfire-serve" / "profiles"
 # Part of the cache key: raised when the profile gains a measurement the cost model prices by,
 # so that a profile cached before it is measured anew.
-PROFILE_FORMAT = 6
+PROFILE_FORMAT = 7
 
 
 def profile_key(

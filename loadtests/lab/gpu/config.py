@@ -20,10 +20,13 @@ class BenchConfig(RefillBench):
     output lengths, waves, spec depth, prefill budget), models, policies, grid and budget."""
 
     model: str = "random:qwen3-8b"
-    drafters: tuple[str, ...] = ("random:qwen3-0.6b", "ngram")  # cost drafters; <= 1 model
+    # cost drafters: at most one draft model and one block drafter ('random-block:NAME' or a
+    # block drafter directory), 'ngram'
+    drafters: tuple[str, ...] = ("random:qwen3-0.6b", "ngram")
     cohorts: tuple[str, ...] = ("code", "prose", "mixed")  # for the first drafter
     other_cohorts: tuple[str, ...] = ("mixed",)  # for the drafters after the first
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    other_concurrency: tuple[int, ...] = ()  # for the drafters after the first; () the same
     policies: tuple[str, ...] = ("adaptive", "all-ar", "all-spec")
     sim_policies: tuple[str, ...] = SIM_POLICIES
     repeats: int = 2
@@ -55,12 +58,46 @@ class BenchConfig(RefillBench):
             for c in (self.other_cohorts if i else self.cohorts)
         ]
 
+    def concurrency_of(self, drafter: str) -> tuple[int, ...]:
+        """The concurrencies a drafter's points run at (all-AR: `concurrency`)."""
+        first = not self.drafters or drafter in (self.drafters[0], "-")
+        return self.concurrency if first or not self.other_concurrency else self.other_concurrency
+
+    def _models(self, block: bool) -> list[str]:
+        return [
+            d for d in self.drafters if d not in ("ngram", "none") and is_block_spec(d) == block
+        ]
+
     @property
-    def model_drafter(self) -> str:
-        models = [d for d in self.drafters if d not in ("ngram", "none")]
+    def block_drafter(self) -> str:
+        """The block drafter among the cost drafters ('none' without one)."""
+        blocks = self._models(block=True)
+        if len(blocks) > 1:
+            raise ValueError(f"one block drafter per run, got {', '.join(blocks)}")
+        return blocks[0] if blocks else "none"
+
+    @property
+    def chain_drafter(self) -> str:
+        """The draft model among the cost drafters ('none' without one)."""
+        models = self._models(block=False)
         if len(models) > 1:
             raise ValueError(f"one draft model per run, got {', '.join(models)}")
         return models[0] if models else "none"
+
+    @property
+    def model_drafter(self) -> str:
+        """The engine's own cost drafter: the block drafter where there is one (the engine
+        then captures the target's hidden states for it), else the draft model; the other is
+        built beside it (`runs.chain_beside`)."""
+        block, chain = self.block_drafter, self.chain_drafter
+        return block if block != "none" else chain
+
+
+def is_block_spec(drafter: str) -> bool:
+    """Whether a cost drafter names a block drafter (random weights or a checkpoint)."""
+    from executor.drafters.block_config import is_block_drafter_dir
+
+    return drafter.startswith("random-block:") or is_block_drafter_dir(drafter)
 
 
 QUICK = BenchConfig(

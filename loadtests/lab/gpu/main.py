@@ -18,6 +18,7 @@ from pathlib import Path
 
 from loadtests.lab.cli_args import int_tuple
 from loadtests.lab.gpu import report
+from loadtests.lab.gpu.block import block_record
 from loadtests.lab.gpu.config import (
     QUICK,
     REAL_POLICIES,
@@ -32,7 +33,14 @@ from loadtests.lab.gpu.measure import (
     roofline_curve,
     simulate,
 )
-from loadtests.lab.gpu.runs import build_engine, recover, run_grid, warm_graphs, warm_runs
+from loadtests.lab.gpu.runs import (
+    build_engine,
+    cost_inners,
+    recover,
+    run_grid,
+    warm_graphs,
+    warm_runs,
+)
 from scheduler.sim.cli import PROFILES
 
 # The method, shown under `--help`.
@@ -40,11 +48,15 @@ METHOD = """\
 One run, in order:
 1. one engine: the target, the `synthetic` drafter (acceptance from the shared acceptance models,
    cohorts code / prose / mixed) wrapping a real drafter whose cost every round pays (the
-   Qwen3-0.6B-shaped draft model, or ngram);
+   Qwen3-0.6B-shaped draft model, a block drafter (`random-block:qwen3-8b-dflash`: the engine
+   then captures the target's hidden states and every forward writes its context; a draft
+   model is then built beside it), or ngram);
 2. the cost profile of that engine (`build_profile` of `hipfire_serve/cost_profile/`, copy
-   bandwidth and bf16 GEMM rate measured in the same call), and per model-free cost drafter its
+   bandwidth and bf16 GEMM rate measured in the same call), and per other cost drafter its
    own speculating host time and round factor (`drafter_spec_terms`, kept under
-   `profile.by_drafter`); the scheduler's cost model and the simulator read them;
+   `profile.by_drafter`; a draft model beside a block drafter also its `draft_model` section,
+   on the target's terms less the block drafter's context write); the scheduler's cost model
+   and the simulator read them;
 3. round time over rows x KV length against the roofline max(bytes / copy BW, FLOPs / GEMM rate)
    (shapes over 1.3 x re-timed phase by phase), the decode graphs the runs replay captured
    ahead (target and draft model), two unmeasured all-spec runs (kernels compiled on first
@@ -81,6 +93,7 @@ FLAGS = {
     "--cohorts": ("cohorts", _names),
     "--other-cohorts": ("other_cohorts", _names),
     "--concurrency": ("concurrency", int_tuple),
+    "--other-concurrency": ("other_concurrency", int_tuple),
     "--policies": ("policies", _names),
     "--sim-policies": ("sim_policies", _names),
     "--prompt-len": ("prompt_len", int),
@@ -106,7 +119,8 @@ FLAGS = {
 }
 HELP = {
     "--drafters": "cost drafters, comma-separated: at most one draft model (random:NAME or a "
-    "directory), 'ngram', 'none'",
+    "directory), at most one block drafter (random-block:NAME or a directory), 'ngram', 'none'",
+    "--other-concurrency": "concurrencies of the drafters after the first (default: the same)",
     "--cohorts": "acceptance cohorts of the first drafter",
     "--other-cohorts": "acceptance cohorts of the drafters after the first",
     "--policies": f"run on the engine, from: {', '.join(REAL_POLICIES)}",
@@ -173,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("need drafters, concurrency values, --repeats >= 1, --sim-seeds >= 1")
     if min(cfg.concurrency) < 1 or cfg.prompt_len < 2 or cfg.max_tokens < 1:
         raise ValueError("--concurrency >= 1, --prompt-len >= 2 and --max-tokens >= 1")
-    cfg.model_drafter  # noqa: B018  (validates: at most one draft model)
+    cfg.block_drafter, cfg.chain_drafter  # noqa: B018  (validates: at most one of each)
     return cfg
 
 
@@ -197,12 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"hipfire-bench gpu: {e}", file=sys.stderr)
         return 2
-    model_inner = getattr(engine.drafter, "inner", None)
+    model_inner = cost_inners(engine, cfg)  # the cost drafters with a model, by name
     device = engine.device
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     log(f"engine ready on {dev_name}: {cfg.model}, cost drafters {', '.join(cfg.drafters)}")
     with tempfile.TemporaryDirectory() as tmp:
-        profile, paths = measure_profile(engine, cfg, Path(tmp))
+        profile, paths = measure_profile(engine, cfg, Path(tmp), model_inner)
         log(f"profile measured: ceilings {profile.get('ceilings') or 'none (no GPU)'}")
         roofline = roofline_curve(engine, profile)
         notes = []  # set-up steps that failed or were left out, without stopping the benchmark
@@ -214,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             notes.append(f"phase timing of the roofline misses failed: {e!r}")
         try:
-            log(f"{warm_graphs(engine, cfg)} decode graphs captured ahead of the runs")
+            log(f"{warm_graphs(engine, cfg, model_inner)} decode graphs captured ahead of the runs")
         except Exception as e:  # the runs capture lazily instead
             notes.append(f"graph warm-up failed: {e!r}")
         try:
@@ -280,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_tokens": "round",  # a step's num_tokens: its rounds' tokens (gpu_bench_rederive)
         "elapsed_s": time.perf_counter() - t_start,
     }
+    record["block"] = block_record(record, cfg.block_drafter)
     print(report.comparison_table(comparisons))
     for key in (
         "adaptive_vs_best",
@@ -291,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         t = targets[key]
         worst = "-" if t["worst"] is None else f"{t['worst']:.3f}"
         print(f"target {key}: {t['status']} (worst {worst}, bound {t['bound']})")
+    for key, t in ((record.get("block") or {}).get("targets") or {}).items():
+        if key != "shares":
+            worst = "-" if t["worst"] is None else f"{t['worst']:.3f}"
+            print(f"block target {key}: {t['status']} (worst {worst}, bound {t['bound']})")
     paths_out = report.write_outputs(record, Path(args.out))
     log(f"wrote {', '.join(p.name for p in paths_out)} to {args.out}")
     return 0

@@ -21,16 +21,24 @@ if TYPE_CHECKING:
 
 
 # -- measurements -------------------------------------------------------------------------
-def measure_profile(engine, cfg: BenchConfig, tmp: Path) -> tuple[dict, dict[str, str]]:
+def measure_profile(
+    engine, cfg: BenchConfig, tmp: Path, model_inner=None
+) -> tuple[dict, dict[str, str]]:
     """The cost profile of this engine and, per cost drafter, a profile file for the cost model
     (a drafter without a model costs no device time in the cost model; prompt lookup costs its
-    measured host time, `drafter_host`)."""
+    measured host time, `drafter_host`). The engine's profile is its own cost drafter's (the
+    block drafter's where there is one); a draft model built beside it (`model_inner`, a dict
+    by name, `runs.cost_inners`) gets the same target terms, less the block drafter's context
+    write, and its own `draft_model` section and speculating terms."""
     from executor.drafters.synthetic import SyntheticDrafter
     from executor.profiling.drafts import host_drafter_profile
-    from hipfire_serve.cost_profile.build import build_profile
+    from hipfire_serve.cost_profile.blocks import target_only
+    from hipfire_serve.cost_profile.build import build_profile, draft_model_section
     from hipfire_serve.cost_profile.engine_steps import drafter_spec_terms, time_spec_round_ratio
 
     profile = build_profile(engine, cfg.profile_rows, cfg.profile_kv_lens, cfg.profile_repeats)
+    base = target_only(profile)  # the target's terms, for the other cost drafters
+    ref = profile["target"].get("ref_kv_len") or cfg.prompt_len
     paths = {}
     by_drafter = {}
     ratio = profile["target"].get("spec_round_ratio")
@@ -38,34 +46,32 @@ def measure_profile(engine, cfg: BenchConfig, tmp: Path) -> tuple[dict, dict[str
         # beside the profile's factor (uneven contexts, as the runs' prompts are): equal ones
         by_drafter[cfg.model_drafter] = {
             "spec_round_ratio_even": time_spec_round_ratio(
-                engine,
-                profile,
-                tuple(c for c, _ in ratio),
-                profile["target"]["ref_kv_len"],
-                ragged=False,
+                engine, profile, tuple(c for c, _ in ratio), ref, ragged=False
             )
         }
     for i, drafter in enumerate(cfg.drafters):
-        p = dict(profile)
-        if drafter != cfg.model_drafter:
-            p.pop("draft_model", None)
-            p["target"] = {k: v for k, v in p["target"].items() if k != "spec_round_ratio"}
+        p = profile if drafter == cfg.model_drafter else dict(base)
+        inner = cost_inner(drafter, model_inner) if drafter != cfg.model_drafter else None
         if drafter == "ngram":  # prompt lookup: host time in every speculating round
             p["drafter_host"] = host_drafter_profile(
                 cost_inner(drafter, None),
                 tuple(c for c in cfg.concurrency),
                 cfg.profile_repeats,
-                profile["target"].get("ref_kv_len") or cfg.prompt_len,
+                ref,
                 engine.target.config.vocab_size,
             )
-        if drafter != cfg.model_drafter and cost_inner(drafter, None) is not None:
+        elif inner is not None and getattr(inner, "model", None) is not None:
+            # the draft model beside the block drafter: its own proposals and catch-ups
+            rows = tuple(r for r in cfg.profile_rows if r <= engine.executor.max_slots)
+            p["draft_model"] = draft_model_section(
+                engine, inner.model, inner, rows, ref, cfg.profile_repeats
+            )
+        if drafter != cfg.model_drafter and inner is not None:
             # the host time and pace of its own speculating rounds, measured with it as the
             # runs pay them (priced with the draft model's, the simulator put `ngram` 10-24%
             # below the runs in the 2026-11-30 12:35 record)
             cohort = next(co for d, co in cfg.points() if d == drafter)
-            synth = SyntheticDrafter(
-                cfg.acceptance, cohort, cfg.seed, inner=cost_inner(drafter, None)
-            )
+            synth = SyntheticDrafter(cfg.acceptance, cohort, cfg.seed, inner=inner)
             terms = drafter_spec_terms(engine, p, synth, even=True)
             even = terms.pop("spec_round_ratio_even")
             p["target"] = {**p["target"], **terms}
@@ -74,11 +80,13 @@ def measure_profile(engine, cfg: BenchConfig, tmp: Path) -> tuple[dict, dict[str
                 "spec_round_ratio_even": even,
                 "drafter_host": p.get("drafter_host"),
             }
+            if "draft_model" in p:
+                by_drafter[drafter]["draft_model"] = p["draft_model"]
         paths[drafter] = str(tmp / f"profile-{i}.json")
         Path(paths[drafter]).write_text(json.dumps(p))
     paths[ANY] = paths[cfg.drafters[0]]
     # per drafter: a model-free drafter's own speculating terms (the record's profile holds
-    # the draft model's), and each drafter's round factor on equal contexts for comparison
+    # the engine's cost drafter's), and each drafter's round factor on equal contexts
     if by_drafter:
         profile = {**profile, "by_drafter": by_drafter}
     return profile, paths
@@ -230,11 +238,12 @@ def simulate(cfg: BenchConfig, paths: dict, vocab: int) -> dict[tuple, dict]:
     figures their mean."""
     from scheduler.sim.acceptance_model import trace_key
 
-    keys_at = {c: tuple(trace_key(p) for p in make_prompts(cfg, c, vocab)) for c in cfg.concurrency}
+    all_c = sorted({*cfg.concurrency, *cfg.other_concurrency})
+    keys_at = {c: tuple(trace_key(p) for p in make_prompts(cfg, c, vocab)) for c in all_c}
     lines = [(AR, ANY, ANY)] if AR in cfg.sim_policies else []
     lines += [(p, d, co) for d, co in cfg.points() for p in cfg.sim_policies if p != AR]
-    # one chain per (policy, drafter, cohort, seed) over the concurrencies in grid order, as
-    # the engine's runs carry the estimator's knowledge (`run_grid`)
+    # one chain per (policy, drafter, cohort, seed) over the drafter's concurrencies in grid
+    # order, as the engine's runs carry the estimator's knowledge (`run_grid`)
     chains = [
         (
             tuple(
@@ -247,7 +256,7 @@ def simulate(cfg: BenchConfig, paths: dict, vocab: int) -> dict[tuple, dict]:
                     cfg.seed + s,
                     keys_at[c],
                 )
-                for c in cfg.concurrency
+                for c in cfg.concurrency_of(drafter)
             ),
             not cfg.cold_estimator,
         )
@@ -266,13 +275,11 @@ def simulate(cfg: BenchConfig, paths: dict, vocab: int) -> dict[tuple, dict]:
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
             chained = list(pool.map(_sim_chain, chains))
     # results[i]: the sim_seeds runs of keys[i] = (policy, drafter, cohort, C)
-    keys = [(*line, c) for line in lines for c in cfg.concurrency]
-    results = [
-        chained[li * cfg.sim_seeds + s][ci]
-        for li in range(len(lines))
-        for ci in range(len(cfg.concurrency))
-        for s in range(cfg.sim_seeds)
-    ]
+    keys, results = [], []
+    for li, line in enumerate(lines):
+        for ci, c in enumerate(cfg.concurrency_of(line[1])):
+            keys.append((*line, c))
+            results += [chained[li * cfg.sim_seeds + s][ci] for s in range(cfg.sim_seeds)]
     out = {}
     for i, key in enumerate(keys):
         seeds = results[i * cfg.sim_seeds : (i + 1) * cfg.sim_seeds]

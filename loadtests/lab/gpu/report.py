@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtests.lab.gpu.block import block_lines
 from loadtests.lab.gpu.mix import ANY, AR, decode_mix, mean_mix, spec_share
 from loadtests.lab.gpu.plots import write_plots
 from loadtests.table import fmt, render
@@ -516,6 +517,7 @@ def markdown(record: dict) -> str:
     ]
     lines += pooled_lines(record)
     lines += _miss_lines(record["targets"], record["summary"])
+    lines += block_lines(record)
     lines += [
         "",
         "## Every point, measured and simulated",

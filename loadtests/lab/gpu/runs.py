@@ -202,13 +202,78 @@ def build_engine(cfg: BenchConfig):
     )
 
 
+def chain_beside(engine, cfg: BenchConfig):
+    """The draft model's drafter beside an engine built for the block drafter (None where the
+    engine's own cost drafter is the draft model, or there is none): its model (random weights
+    or a checkpoint, the target's dtype), its KV under the executor's block ids, bound to the
+    executor's block table, its attention variants compiled. Its KV comes on top of the
+    engine's `--kv-cache-memory`."""
+    spec = cfg.chain_drafter
+    if spec == "none" or spec == cfg.model_drafter:
+        return None
+    from executor.drafters.draft_model import DraftModelDrafter
+    from executor.loader import load_model
+    from executor.random_model import random_model
+
+    ex, target = engine.executor, engine.target
+    if spec.startswith("random:"):
+        model = random_model(
+            spec[len("random:") :],
+            device=engine.device,
+            dtype=target.dtype,
+            seed=1,
+            max_position=target.max_position,
+        )
+    else:
+        model = load_model(spec, dtype=str(target.dtype).split(".")[-1], device=engine.device)
+    drafter = DraftModelDrafter(
+        model,
+        num_blocks=engine.num_kv_blocks,
+        block_size=ex.block_size,
+        max_slots=ex.max_slots,
+        max_model_len=ex.max_model_len,
+        graphs="off" if ex.graphs is None else "lazy",
+    )
+    drafter.bind_block_tables(ex.table.block_tables)
+    if engine.device.type == "cuda":
+        from kernels.attention import compile_variants, verify_attention
+        from scheduler.prefill_chunks import max_chunk_rows
+
+        if model.ops.verify_attention is verify_attention:  # (not on torch reference ops)
+            compile_variants(
+                drafter.kv.k[0],
+                drafter.kv.v[0],
+                model.config.num_q_heads,
+                max_seqs=ex.max_slots,
+                max_q_len=max(max_chunk_rows(cfg.max_prefill_tokens), cfg.spec_depth),
+                max_kv_len=ex.max_blocks_per_seq * ex.block_size,
+            )
+    return drafter
+
+
+def cost_inners(engine, cfg: BenchConfig) -> dict:
+    """Cost drafter name -> the real drafter with a model that runs for its cost: the engine's
+    own (inside its synthetic drafter) and the draft model built beside a block drafter."""
+    inners = {}
+    own = getattr(engine.drafter, "inner", None)
+    if own is not None and cfg.model_drafter != "none":
+        inners[cfg.model_drafter] = own
+    beside = chain_beside(engine, cfg)
+    if beside is not None:
+        inners[cfg.chain_drafter] = beside
+    return inners
+
+
 def cost_inner(drafter: str, model_inner):
-    """The real drafter a synthetic drafter runs for its cost."""
+    """The real drafter a synthetic drafter runs for its cost; `model_inner`: the drafter of
+    the engine's draft model, or a dict of them by name (`cost_inners`)."""
     if drafter == "ngram":
         from executor.drafters.ngram import NgramDrafter
 
         return NgramDrafter()
-    return None if drafter == "none" else model_inner
+    if drafter == "none":
+        return None
+    return model_inner.get(drafter) if isinstance(model_inner, dict) else model_inner
 
 
 def make_policy(name: str, profile_path: str, cfg: BenchConfig, cohort: str):
@@ -266,6 +331,7 @@ def install(
             max_prefill_tokens=ec.max_prefill_tokens,
             max_model_len=engine.max_model_len,
             has_drafter=True,
+            draft_kv_lookahead=int(getattr(drafter, "kv_lookahead", 0)),
             drafter_follows_prefill=(
                 follows if getattr(drafter, "follows_prefill", False) else "off"
             ),
@@ -279,10 +345,11 @@ def install(
     engine.install_scheduler(scheduler)
 
 
-def warm_graphs(engine, cfg: BenchConfig) -> int:
+def warm_graphs(engine, cfg: BenchConfig, model_inners: dict | None = None) -> int:
     """Captures the decode graphs the runs will replay (row buckets of the profile x block-table
     widths of the workload's contexts x rows per sequence), so no capture lands inside a
-    measured round. Returns the number captured."""
+    measured round, and the cost drafters' own (the engine's and `model_inners`'). Returns the
+    number captured."""
     graphs = engine.executor.graphs
     if graphs is None:
         return 0
@@ -303,16 +370,34 @@ def warm_graphs(engine, cfg: BenchConfig) -> int:
                 for width in widths:
                     graphs.capture(bucket, width, q)
     captured = len(graphs.graphs) - before
-    # the draft model's chain steps replay graphs of their own (one row per request)
     drafter = getattr(engine, "drafter", None)
-    model_drafter = getattr(drafter, "inner", drafter)
-    if hasattr(model_drafter, "capture_graphs"):
-        drafts_before = model_drafter.num_graphs
-        blocks = tuple(range(lo, hi + 1))
-        captured += (
-            model_drafter.capture_graphs(max_c, widths=blocks, max_wide_rows=cfg.max_prefill_tokens)
-            - drafts_before
-        )
+    inners = [getattr(drafter, "inner", drafter), *(model_inners or {}).values()]
+    blocks = tuple(range(lo, hi + 1))
+    for model_drafter in {id(d): d for d in inners if d is not None}.values():
+        # the draft model's chain steps replay graphs of their own (one row per request)
+        if hasattr(model_drafter, "capture_graphs"):
+            drafts_before = model_drafter.num_graphs
+            captured += (
+                model_drafter.capture_graphs(
+                    max_c, widths=blocks, max_wide_rows=cfg.max_prefill_tokens
+                )
+                - drafts_before
+            )
+        # a block drafter's blocks too: block_size rows per request, up to max(C) of them
+        block_graphs = getattr(model_drafter, "graphs", None)
+        if hasattr(model_drafter, "extend_context") and block_graphs is not None:
+            from executor.graphs import bucket_for
+
+            q = model_drafter.block_len
+            top = -(-(cfg.prompt_len * 3 // 2 + cfg.max_tokens + q) // bs)  # a block past it
+            block_widths = sorted({block_graphs.width_for(b) for b in range(lo, top + 1)})
+            rows = sorted({bucket_for(q * k) for k in range(1, max_c + 1)} - {0})
+            drafts_before = len(block_graphs.graphs)
+            for bucket in rows:
+                if bucket <= block_graphs.max_rows:
+                    for width in block_widths:
+                        block_graphs.capture(bucket, width, 1 << (q - 1).bit_length())
+            captured += len(block_graphs.graphs) - drafts_before
     return captured
 
 
@@ -381,16 +466,22 @@ def run_point(
 
 def warm_runs(engine, cfg, paths, model_inner) -> int:
     """Unmeasured all-spec runs of the first (drafter, cohort) at the largest and a small C
-    before the grid: kernels compiled on first use (the eager prefill chunks, the draft
-    model's catch-up shapes) would otherwise stall the first measured run that meets them.
-    Returns how many runs were made (none without a GPU)."""
+    before the grid (and of a draft model built beside a block drafter at a small C): kernels
+    compiled on first use (the eager prefill chunks, the draft model's catch-up shapes) would
+    otherwise stall the first measured run that meets them. Returns how many runs were made
+    (none without a GPU)."""
     if engine.device.type != "cuda":
         return 0
     drafter, cohort = cfg.points()[0]
     sizes = sorted({max(cfg.concurrency), min(4, max(cfg.concurrency))}, reverse=True)
     for c in sizes:
         run_point(engine, cfg, "all-spec", drafter, cohort, c, paths, model_inner)
-    return len(sizes)
+    # a draft model built beside the engine's block drafter: its first shapes too
+    beside = [(d, co) for d, co in cfg.points() if d == cfg.chain_drafter != cfg.model_drafter]
+    for d, co in beside[:1]:
+        c = min(4, max(cfg.concurrency_of(d)))
+        run_point(engine, cfg, "all-spec", d, co, c, paths, model_inner)
+    return len(sizes) + len(beside[:1])
 
 
 def grid_order(cfg: BenchConfig) -> list[tuple[int, str, str, str, int]]:
@@ -399,7 +490,7 @@ def grid_order(cfg: BenchConfig) -> list[tuple[int, str, str, str, int]]:
     for rep in range(cfg.repeats):
         seen_ar: set[int] = set()
         for drafter, cohort in cfg.points():
-            for c in cfg.concurrency:
+            for c in cfg.concurrency_of(drafter):
                 for policy in cfg.policies:
                     if policy == AR:
                         if c not in seen_ar:
