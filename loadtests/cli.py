@@ -1,9 +1,11 @@
-"""`hipfire-loadgen`: refill / poisson / sweep load runs against an OpenAI-compatible server, and
-`compare` of their reports.
+"""`hipfire-loadgen`: refill / poisson / sweep load runs and the prefix-caching workloads
+(shared-prefix, multi-turn) against an OpenAI-compatible server, and `compare` of reports.
 
   hipfire-loadgen refill --concurrency 1,2,4,8 --waves 4 --cohort code --max-tokens 128
   hipfire-loadgen poisson --rate 4 --num-requests 200 --burstiness 0.5 --slo ttft:500,tpot:50
   hipfire-loadgen sweep --rates 1,2,4,8 --num-requests 100
+  hipfire-loadgen shared-prefix --num-groups 8 --system-prompt-len 2048 --concurrency 8
+  hipfire-loadgen multi-turn --num-turns 6 --concurrency 4 --think-time 1
   hipfire-loadgen compare adaptive/refill.json ar/refill.json spec/refill.json
 
 Every run writes LABEL.json (the full report), LABEL.csv (one row per run), LABEL-requests.csv
@@ -14,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import math
 import sys
 import time
@@ -23,15 +23,18 @@ from pathlib import Path
 
 import httpx
 
-from loadtests import plots, results
-from loadtests.client import ClientConfig, detect_model
+from loadtests import plots, prefix_workloads, results
 from loadtests.compare import compare_table
-from loadtests.progress import Progress
 from loadtests.prompts import COHORTS, load_cohort, load_prompts_file
-from loadtests.runners import parse_tenants, plan_requests, run_poisson, run_refill
-from loadtests.server_metrics import metrics_url, scrape, summarize_delta
-from loadtests.stats import parse_slo
-from loadtests.table import runs_table
+from loadtests.run_setup import (
+    client_config,
+    http_client,
+    measured_run,
+    report_header,
+    settings_from,
+)
+from loadtests.runners import plan_requests, run_poisson, run_refill
+from loadtests.table import parts_table, runs_table
 
 
 def _int_list(text: str) -> list[int]:
@@ -48,11 +51,12 @@ def _rate_list(text: str) -> list[float]:
     return values
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, cohorts: bool = True, endpoint: bool = True) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="API root (…/v1)")
     g.add_argument("--model", default="", help="model name; default: the first of GET /models")
-    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    if endpoint:
+        g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     g.add_argument("--api-key", action="append", default=[], metavar="[NAME=]KEY",
                    help="repeat for several tenants; requests take the keys in turn")  # fmt: skip
     g.add_argument("--metrics-url", default="",
@@ -60,9 +64,12 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "server root's /metrics; 'none' disables")  # fmt: skip
     g.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout (s)")
     g = p.add_argument_group("requests")
-    src = g.add_mutually_exclusive_group()
-    src.add_argument("--cohort", choices=COHORTS, default="mixed", help="shipped prompt cohort")
-    src.add_argument("--prompts", metavar="FILE", help="JSONL prompts (see loadtests/prompts.py)")
+    if cohorts:
+        src = g.add_mutually_exclusive_group()
+        src.add_argument("--cohort", choices=COHORTS, default="mixed", help="shipped prompt cohort")
+        src.add_argument(
+            "--prompts", metavar="FILE", help="JSONL prompts (see loadtests/prompts.py)"
+        )
     g.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0, help="prompt order and per-request seeds")
@@ -73,7 +80,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("report")
     g.add_argument("--slo", default="", help="goodput bounds, e.g. ttft:500,tpot:50 (ms)")
     g.add_argument("--out", default="loadgen-results", help="output directory")
-    g.add_argument("--label", default="", help="run label; default: MODE-COHORT")
+    g.add_argument("--label", default="", help="run label; default: MODE-COHORT or the workload")
     g.add_argument("--no-plots", dest="plots", action="store_false")
     g.add_argument("--no-progress", dest="progress", action="store_false")
 
@@ -103,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--burstiness", type=float, default=1.0,
                        help="gamma shape of the gaps: 1 Poisson, <1 burstier")  # fmt: skip
         p.add_argument("--max-in-flight", type=int, default=0, help="cap (0: none)")
+    _add_prefix_workloads(sub)
     p = sub.add_parser("compare", help="side-by-side ratios of report JSON files")
     p.add_argument("reports", nargs="+", metavar="REPORT.json")
     p.add_argument("--plot", default="", help="also write throughput vs concurrency PNG here")
@@ -110,61 +118,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _settled_after(http, url, before, num_ok):
-    """Scrape after a run; servers may count a request just after its stream closed, so wait
-    (briefly) until the success counter covers every request the run saw succeed."""
-    after = await scrape(http, url)
-    deadline = time.monotonic() + 3.0
-    while after is not None and before is not None and time.monotonic() < deadline:
-        delta = summarize_delta(before, after)
-        if delta is None or delta["requests_succeeded"] >= num_ok:
-            break
-        await asyncio.sleep(0.1)
-        after = await scrape(http, url)
-    return after
+def _add_prefix_workloads(sub) -> None:
+    p = sub.add_parser("shared-prefix", help="groups of requests sharing a long system prompt")
+    _common(p, cohorts=False)
+    g = p.add_argument_group("shared prefix (lengths in words, about tokens each)")
+    g.add_argument("--num-groups", type=int, default=8, help="distinct system prompts")
+    g.add_argument("--system-prompt-len", type=int, default=2048, help="words per system prompt")
+    g.add_argument("--question-len", type=int, default=32, help="words of each request's own part")
+    g.add_argument("--num-requests", type=int, default=64, help="requests per run")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--concurrency", type=_int_list, default=[8],
+                       help="closed loop: comma list, one run per value")  # fmt: skip
+    shape.add_argument("--rate", type=_rate_list, default=None,
+                       help="open loop instead: requests/s, comma list ('inf')")  # fmt: skip
+    g.add_argument("--burstiness", type=float, default=1.0, help="open loop: gamma shape")
+    g.add_argument("--max-in-flight", type=int, default=0, help="open loop: cap (0: none)")
+    p = sub.add_parser("multi-turn", help="conversations resending their history (chat route)")
+    _common(p, cohorts=False, endpoint=False)
+    g = p.add_argument_group("conversations (lengths in words, about tokens each)")
+    g.add_argument("--num-conversations", type=int, default=16, help="conversations per run")
+    g.add_argument("--num-turns", type=int, default=4, help="user turns per conversation")
+    g.add_argument("--concurrency", type=_int_list, default=[4],
+                   help="conversations live at once: comma list, one run per value")  # fmt: skip
+    g.add_argument("--system-prompt-len", type=int, default=512, help="0: no system message")
+    g.add_argument("--num-system-prompts", type=int, default=0,
+                   help="0: each conversation its own; K: K shared in turn")  # fmt: skip
+    g.add_argument("--user-len", type=int, default=64, help="words per user message")
+    g.add_argument("--think-time", type=float, default=0.0,
+                   help="mean pause (s, exponential) before each later turn")  # fmt: skip
 
 
 async def run_load(args: argparse.Namespace) -> tuple[dict, list]:
     prompts = load_prompts_file(args.prompts) if args.prompts else load_cohort(args.cohort)
-    tenants = parse_tenants(args.api_key)
-    slo = parse_slo(args.slo) if args.slo else None
-    extra = json.loads(args.extra_body)
-    if not isinstance(extra, dict):
-        raise ValueError("--extra-body must be a JSON object")
-    for flag in ("max_tokens", "waves", "num_requests"):
+    settings = settings_from(args)
+    for flag in ("waves", "num_requests"):
         if getattr(args, flag, 1) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     mode = "refill" if args.command == "refill" else "poisson"
-    murl = "" if args.metrics_url == "none" else (args.metrics_url or metrics_url(args.base_url))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.timeout, connect=30.0)
-    report: dict = {
-        "tool": "hipfire-loadgen",
-        "version": 1,
-        "label": args.label or f"{mode}-{Path(args.prompts).stem if args.prompts else args.cohort}",
-        "mode": mode,
-        "created_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "base_url": args.base_url,
-        "endpoint": args.endpoint,
-        "prompts": args.prompts or args.cohort,
-        "num_prompts": len(prompts),
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "ignore_eos": args.ignore_eos,
-        "seed": args.seed,
-        "tenants": [t.name for t in tenants],
-        "slo_ms": {k: v * 1e3 for k, v in slo.items()} if slo else None,
-        "runs": [],
-    }
+    source = Path(args.prompts).stem if args.prompts else args.cohort
+    report = report_header(args, settings, mode, f"{mode}-{source}")
+    report.update(endpoint=args.endpoint, prompts=args.prompts or args.cohort,
+                  num_prompts=len(prompts))  # fmt: skip
+    tenants = settings.tenants
     per_run = []
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-        model = args.model or await detect_model(http, args.base_url, tenants[0].api_key)
-        report["model"] = model
-        cfg = ClientConfig(
-            base_url=args.base_url, model=model, endpoint=args.endpoint,
-            max_tokens=args.max_tokens, temperature=args.temperature,
-            ignore_eos=args.ignore_eos, extra_body=extra,
-        )  # fmt: skip
+    async with http_client(args) as http:
+        cfg = await client_config(http, args, settings, args.endpoint)
+        report["model"] = cfg.model
         values = args.concurrency if mode == "refill" else args.rate
         if mode == "refill":
             report["waves"] = args.waves
@@ -178,32 +177,25 @@ async def run_load(args: argparse.Namespace) -> tuple[dict, list]:
                 warm = plan_requests(prompts, args.warmup, tenants, args.seed + 10_000_019)
                 warm_c = min(args.warmup, value if mode == "refill" else args.warmup)
                 await run_refill(http, cfg, warm, warm_c, time.perf_counter, lambda r: None)
-            before = await scrape(http, murl) if murl else None
-            title = f"C={value}" if mode == "refill" else f"rate={value:g}"
-            progress = Progress(num, title, enabled=args.progress and sys.stderr.isatty())
-            t0 = time.perf_counter()
 
-            def clock(t0: float = t0) -> float:
-                return time.perf_counter() - t0
-
-            if mode == "refill":
-                records = await run_refill(http, cfg, requests, value, clock, progress.update)
-            else:
-                records = await run_poisson(
-                    http, cfg, requests, value, args.burstiness, args.seed, clock,
-                    progress.update, args.max_in_flight or None,
+            async def run(clock, on_done, value=value, requests=requests):
+                if mode == "refill":
+                    return await run_refill(http, cfg, requests, value, clock, on_done)
+                return await run_poisson(
+                    http, cfg, requests, value, args.burstiness, args.seed, clock, on_done,
+                    args.max_in_flight or None,
                 )  # fmt: skip
-            progress.close()
-            num_ok = sum(r.ok for r in records)
-            after = await _settled_after(http, murl, before, num_ok) if murl else None
-            run = results.summarize_run(
+
+            title = f"C={value}" if mode == "refill" else f"rate={value:g}"
+            records, server = await measured_run(http, settings, args, num, title, run)
+            run_summary = results.summarize_run(
                 records, mode=mode,
                 concurrency=value if mode == "refill" else None,
                 rate=None if mode == "refill" or math.isinf(value) else value,
-                slo=slo, server=summarize_delta(before, after),
+                slo=settings.slo, server=server,
             )  # fmt: skip
-            report["runs"].append(run)
-            per_run.append((run, records))
+            report["runs"].append(run_summary)
+            per_run.append((run_summary, records))
     return report, per_run
 
 
@@ -244,12 +236,18 @@ def main(argv: list[str] | None = None) -> int:
             plots.throughput_plot(reports, Path(args.plot))
             print(f"wrote {args.plot}")
         return 0
+    runner = {
+        "shared-prefix": prefix_workloads.run_shared_prefix,
+        "multi-turn": prefix_workloads.run_multi_turn_load,
+    }.get(args.command, run_load)
     try:
-        report, per_run = _run(run_load(args))
+        report, per_run = _run(runner(args))
     except (ValueError, OSError, httpx.HTTPError, RuntimeError) as exc:
         print(f"hipfire-loadgen: {exc}", file=sys.stderr)
         return 2
     print(runs_table(report))
+    if report.get("workload"):
+        print(parts_table(report))
     for path in write_outputs(report, per_run, Path(args.out), args.plots):
         print(f"wrote {path}")
     num_errors = sum(run["num_errors"] for run in report["runs"])

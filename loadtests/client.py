@@ -44,6 +44,8 @@ class PlannedRequest:
     api_key: str | None = None
     seed: int = 0
     messages: tuple[dict, ...] | None = None  # chat messages; None sends `prompt` as a user turn
+    # what a workload knows of the request (its group, conversation, turn); copied to the record
+    tags: dict = field(default_factory=dict, compare=False)
 
 
 def request_body(cfg: ClientConfig, req: PlannedRequest) -> dict:
@@ -82,24 +84,25 @@ class _Chunk:
     source: str = ""
 
 
-def _parse_choice(choice: dict) -> tuple[str, int | None, str]:
-    """(text, tokens when the chunk says, source) of one streamed choice."""
+def _parse_choice(choice: dict) -> tuple[str, str, int | None, str]:
+    """(text, content, tokens when the chunk says, source) of one streamed choice. The text
+    counts reasoning too (it took tokens); the content is what a chat history keeps."""
     delta = choice.get("delta")
     if isinstance(delta, dict):  # chat
-        text = "".join(
-            str(delta.get(k) or "") for k in ("reasoning_content", "reasoning", "content")
-        )
+        content = str(delta.get("content") or "")
+        text = "".join(str(delta.get(k) or "") for k in ("reasoning_content", "reasoning"))
+        text += content
     else:
-        text = str(choice.get("text") or "")
+        text = content = str(choice.get("text") or "")
     ids = choice.get("token_ids")
     if isinstance(ids, list):
-        return text, len(ids), "token_ids"
+        return text, content, len(ids), "token_ids"
     logprobs = choice.get("logprobs")
     if isinstance(logprobs, dict):
         entries = logprobs.get("content") if isinstance(delta, dict) else logprobs.get("tokens")
         if isinstance(entries, list):
-            return text, len(entries), "logprobs"
-    return text, None, ""
+            return text, content, len(entries), "logprobs"
+    return text, content, None, ""
 
 
 def spread_tokens(total: int, weights: list[int]) -> list[int]:
@@ -132,6 +135,7 @@ async def stream_request(
     """Send one streaming request; never raises for server or network errors (they are recorded)."""
     headers = {"Authorization": f"Bearer {req.api_key}"} if req.api_key else {}
     chunks: list[_Chunk] = []
+    content: list[str] = []
     usage: dict | None = None
     finish_reason: str | None = None
     error = ""
@@ -164,7 +168,8 @@ async def stream_request(
                         for choice in payload.get("choices") or []:
                             if choice.get("index", 0) != 0:
                                 continue
-                            text, num, source = _parse_choice(choice)
+                            text, reply, num, source = _parse_choice(choice)
+                            content.append(reply)
                             if text or num:
                                 chunks.append(_Chunk(now, num, len(text), source))
                             finish_reason = choice.get("finish_reason") or finish_reason
@@ -177,7 +182,7 @@ async def stream_request(
         # JSON): one failed request, never a failed run.
         error = f"{type(exc).__name__}: {exc}"
     end = clock()
-    return _record(req, submit, end, chunks, usage, finish_reason, error)
+    return _record(req, submit, end, chunks, usage, finish_reason, error, "".join(content))
 
 
 def _record(
@@ -188,6 +193,7 @@ def _record(
     usage: dict | None,
     finish_reason: str | None,
     error: str,
+    output_text: str = "",
 ) -> RequestRecord:
     usage_out = usage.get("completion_tokens") if isinstance(usage, dict) else None
     usage_out = usage_out if isinstance(usage_out, int) else None
@@ -214,6 +220,8 @@ def _record(
         finish_reason=finish_reason,
         error=error,
         prompt_id=req.prompt_id,
+        extra=dict(req.tags),
+        output_text=output_text,
     )
 
 

@@ -1,8 +1,9 @@
 """`hipfire-loadgen compare A.json B.json ...`: the same runs of several reports side by side.
 
-Runs are matched by their key (C for refill, rate for poisson). Each metric is shown for every
-report and as a ratio to the first report (the baseline), e.g. an adaptive server against
-always-AR and always-spec ones. For latencies a ratio below 1 is better, for throughput above.
+Runs are matched by their key (C for refill and multi-turn, rate for poisson). Each metric is
+shown for every report and as a ratio to the first report (the baseline), e.g. an adaptive
+server against always-AR and always-spec ones, or prefix caching on against off. For
+latencies a ratio below 1 is better, for throughput above.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("refill tok/s", ("refill_tokens_per_s",)),
     ("req/s", ("requests_per_s",)),
     ("TTFT p50 ms", ("ttft", "p50_ms")),
+    ("TTFT p90 ms", ("ttft", "p90_ms")),
     ("TTFT p99 ms", ("ttft", "p99_ms")),
+    ("TTFT first p50 ms", ("ttft_split", "first", "ttft", "p50_ms")),
+    ("TTFT later p50 ms", ("ttft_split", "later", "ttft", "p50_ms")),
     ("ITL p50 ms", ("itl", "p50_ms")),
     ("TPOT p50 ms", ("tpot", "p50_ms")),
     ("E2E p99 ms", ("e2e", "p99_ms")),
     ("goodput req/s", ("goodput", "requests_per_s")),
     ("accept len", ("server", "acceptance_length")),
+    ("prefix hit rate", ("server", "prefix_cache_hit_rate")),
 )
 
 
@@ -48,6 +53,6 @@ def compare_table(reports: Sequence[dict]) -> str:
                 f"x{v / base:.2f}" if v is not None and base not in (None, 0) else "-"
                 for v in values[1:]
             ]
-            rows.append([key, name, *(fmt(v, 2 if name == "accept len" else 1) for v in values),
-                         *ratios])  # fmt: skip
+            digits = 2 if name in ("accept len", "prefix hit rate") else 1
+            rows.append([key, name, *(fmt(v, digits) for v in values), *ratios])
     return render(headers, rows)

@@ -12,8 +12,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
+def _closed(mode: str) -> bool:
+    """Closed-loop runs (refill, multi-turn) are keyed by concurrency, open-loop ones by rate."""
+    return mode in ("refill", "multi-turn")
+
+
 def _x(run: dict) -> float:
-    return float(run["concurrency"] if run["mode"] == "refill" else run["rate"] or 0.0)
+    return float(run["concurrency"] if _closed(run["mode"]) else run["rate"] or 0.0)
 
 
 def throughput_plot(reports: Sequence[dict], path: Path) -> None:
@@ -32,9 +37,9 @@ def throughput_plot(reports: Sequence[dict], path: Path) -> None:
         else:
             ax.plot(xs, [r["refill_tokens_per_s"] for r in runs], marker="o",
                     label=report["label"])  # fmt: skip
-    refill = all(r["mode"] == "refill" for r in reports)
-    ax.set_xlabel("concurrency C" if refill else "offered rate (req/s)")
-    if refill:
+    closed = all(_closed(r["mode"]) for r in reports)
+    ax.set_xlabel("concurrency C" if closed else "offered rate (req/s)")
+    if closed:
         ax.set_xscale("log", base=2)
     ax.set_ylabel("output tokens/s")
     ax.set_title("Throughput")
@@ -55,8 +60,8 @@ def latency_plot(report: dict, path: Path) -> None:
             ys = [r[lat][q] if r[lat][q] is not None else float("nan") for r in runs]
             ax.plot(xs, ys, marker="o", label=q.split("_")[0])
         ax.set_title(f"{lat.upper()} (ms)")
-        ax.set_xlabel("C" if report["mode"] == "refill" else "rate (req/s)")
-        if report["mode"] == "refill":
+        ax.set_xlabel("C" if _closed(report["mode"]) else "rate (req/s)")
+        if _closed(report["mode"]):
             ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -73,7 +78,7 @@ def timeline_plot(report: dict, path: Path) -> None:
         if not run["timeline"]:
             continue
         ts, vs = zip(*run["timeline"])
-        key = f"C={run['concurrency']}" if run["mode"] == "refill" else f"rate={run['rate']}"
+        key = f"C={run['concurrency']}" if _closed(run["mode"]) else f"rate={run['rate']}"
         ax.plot(ts, vs, label=key, linewidth=1.2)
     ax.set_xlabel("time since run start (s)")
     ax.set_ylabel("output tokens/s")

@@ -23,7 +23,8 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str = ""  # empty when the request succeeded
     prompt_id: str = ""
-    extra: dict = field(default_factory=dict, compare=False)
+    extra: dict = field(default_factory=dict, compare=False)  # the workload's tags (client.py)
+    output_text: str = field(default="", compare=False, repr=False)  # the reply's content
 
     @property
     def ok(self) -> bool:

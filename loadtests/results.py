@@ -102,6 +102,12 @@ CSV_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("acceptance_rate", ("server", "acceptance_rate")),
     ("rows_per_round", ("server", "rows_per_round")),
     ("spec_requests_per_round", ("server", "spec_requests_per_round")),
+    ("prefix_cache_hit_rate", ("server", "prefix_cache_hit_rate")),
+    *(
+        (f"ttft_{part}_{q}", ("ttft_split", part, "ttft", q))
+        for part in ("first", "later")
+        for q in ("p50_ms", "p90_ms", "p99_ms")
+    ),
 )
 
 
@@ -132,13 +138,15 @@ def write_runs_csv(report: dict, path: Path) -> None:
 
 
 def write_requests_csv(runs: Sequence[tuple[dict, Sequence[RequestRecord]]], path: Path) -> None:
-    """One row per request: its run, tenant, latencies (ms) and token counts."""
+    """One row per request: its run, tenant, latencies (ms), token counts and the workload's
+    tags (a shared-prefix request's group; a multi-turn request's conversation and turn)."""
     with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(
             ["concurrency", "rate", "req_id", "prompt_id", "tenant", "ok", "submit_s",
              "ttft_ms", "tpot_ms", "e2e_ms", "num_chunks", "num_prompt_tokens",
-             "num_output_tokens", "token_count_source", "finish_reason", "error"]
+             "num_output_tokens", "token_count_source", "finish_reason", "error", "group",
+             "conversation", "turn"]
         )  # fmt: skip
         for run, records in runs:
             for r in records:
@@ -147,6 +155,7 @@ def write_requests_csv(runs: Sequence[tuple[dict, Sequence[RequestRecord]]], pat
                     int(r.ok), f"{r.submit_s:.6f}", _ms(r.ttft_s), _ms(r.tpot_s), _ms(r.e2e_s),
                     len(r.chunk_times_s), r.num_prompt_tokens, r.num_output_tokens,
                     r.token_count_source, r.finish_reason or "", r.error,
+                    *(r.extra.get(k, "") for k in ("group", "conversation", "turn")),
                 ])  # fmt: skip
 
 

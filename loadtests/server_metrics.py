@@ -8,6 +8,9 @@ vLLM; the prefix is detected). Speculative decoding, after vLLM's definitions:
 Round-level figures (this project's scheduler only): mean rows and speculating requests per round
 from the `round_rows` / `round_spec_requests` histograms, and the route mix (share of
 request-rounds decoded speculatively, plainly, or prefilling) from `round_route_total`.
+Prefix caching, after vLLM's counters (prompt tokens looked up in the cache, and those found):
+  hit rate = prefix_cache_hits / prefix_cache_queries over the run
+A server without these counters gets `prefix_cache_counters: False` and no figures, never 0.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ import httpx
 from loadtests.promtext import Snapshot
 
 PREFIXES = ("hipfire", "vllm", "sglang")
+# (queries, hits) counter names under a prefix: vLLM's, then the older `gpu_` ones of vLLM.
+PREFIX_CACHE_COUNTERS = (
+    ("prefix_cache_queries_total", "prefix_cache_hits_total"),
+    ("gpu_prefix_cache_queries_total", "gpu_prefix_cache_hits_total"),
+)
 
 
 def metrics_url(base_url: str) -> str:
@@ -98,7 +106,29 @@ def summarize_delta(before: Snapshot | None, after: Snapshot | None) -> dict | N
         {r: v / num_routes for r, v in sorted(routes.items())} if num_routes > 0 else None
     )
     out["policy_switches"] = d("policy_switches_total")
+    out.update(prefix_cache_delta(before, after, prefix))
     return out
+
+
+def prefix_cache_delta(before: Snapshot, after: Snapshot, prefix: str) -> dict:
+    """Prefix-cache queries, hits (tokens) and hit rate of a run; None where not exposed."""
+    for queries_name, hits_name in PREFIX_CACHE_COUNTERS:
+        q_full, h_full = f"{prefix}:{queries_name}", f"{prefix}:{hits_name}"
+        if after.has(q_full) and after.has(h_full):
+            queries = after.total(q_full) - before.total(q_full)
+            hits = after.total(h_full) - before.total(h_full)
+            return {
+                "prefix_cache_counters": True,
+                "prefix_cache_queries": queries,
+                "prefix_cache_hits": hits,
+                "prefix_cache_hit_rate": hits / queries if queries > 0 else None,
+            }
+    return {
+        "prefix_cache_counters": False,
+        "prefix_cache_queries": None,
+        "prefix_cache_hits": None,
+        "prefix_cache_hit_rate": None,
+    }
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -28,7 +28,7 @@ def fmt(value, digits: int = 1) -> str:
 
 
 def run_key(run: dict) -> str:
-    if run["mode"] == "refill":
+    if run["mode"] in ("refill", "multi-turn"):
         return f"C={run['concurrency']}"
     rate = run.get("rate")
     return f"rate={'inf' if rate in (None, float('inf')) else fmt(rate, 2)}"
@@ -48,7 +48,7 @@ def runs_table(report: dict) -> str:
     if has_fairness:
         headers.append("Jain")
     if has_server:
-        headers += ["accept len", "spec req/rnd", "rows/rnd", "route S/A/P"]
+        headers += ["accept len", "spec req/rnd", "rows/rnd", "route S/A/P", "prefix hit"]
     rows = []
     for run in report["runs"]:
         row = [run_key(run), str(run["num_requests"]), str(run["num_ok"]),
@@ -75,6 +75,44 @@ def runs_table(report: dict) -> str:
                 "/".join(fmt(mix.get(k, 0.0), 2) for k in ("spec", "ar", "prefill"))
                 if mix
                 else "-",
+                prefix_hit(srv),
             ]
         rows.append(row)
+    return render(headers, rows)
+
+
+def prefix_hit(server: dict | None) -> str:
+    """The run's prefix-cache hit rate; 'absent' when the server exposes no such counters."""
+    if not server:
+        return "-"
+    if not server.get("prefix_cache_counters"):
+        return "absent"
+    return fmt(server.get("prefix_cache_hit_rate"), 3)
+
+
+def _part_row(key: str, part: str, p: dict) -> list[str]:
+    t = p["ttft"]
+    return [key, part, str(p["num_requests"]), fmt(p["mean_prompt_tokens"], 0),
+            "/".join(fmt(t[q]) for q in ("p50_ms", "p90_ms", "p99_ms")),
+            fmt(p["e2e"]["p50_ms"], 0)]  # fmt: skip
+
+
+def parts_table(report: dict) -> str:
+    """TTFT per part of a prefix-caching workload: first vs later requests, and per turn."""
+    headers = ["run", "part", "reqs", "prompt tok", "TTFT p50/p90/p99 ms", "E2E p50 ms"]
+    rows = []
+    for run in report["runs"]:
+        key = run_key(run)
+        num_ok = run["num_ok"]
+        whole = {
+            "num_requests": run["num_requests"],
+            "mean_prompt_tokens": run["num_prompt_tokens"] / num_ok if num_ok else None,
+            "ttft": run["ttft"],
+            "e2e": run["e2e"],
+        }
+        rows.append(_part_row(key, "all", whole))
+        for part, p in (run.get("ttft_split") or {}).items():
+            rows.append(_part_row(key, part, p))
+        for turn, p in (run.get("turns") or {}).items():
+            rows.append(_part_row(key, f"turn {turn}", p))
     return render(headers, rows)

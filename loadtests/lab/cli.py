@@ -17,10 +17,16 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "rederive": ("loadtests.lab.gpu.rederive", "main", "re-derive or pool `gpu` records"),
     "replay": ("loadtests.lab.policy_replay", "main", "engine decisions vs the simulator's (CPU)"),
+    "prefix-cache": ("loadtests.lab.prefix_cache_bench", "main", "TTFT, prefix cache on vs off"),
     "rerank": (
         "loadtests.lab.rerank_eval",
         "main",
         "block-drafter re-ranker: own-start walk, off vs on (CPU)",
+    ),
+    "demo-drafters": (
+        "loadtests.lab.demo_drafters",
+        "main",
+        "drafters on the demo target: tokens/s and acceptance length vs AR and the chain",
     ),
     "coupling": (
         "loadtests.lab.coupled_acceptance",

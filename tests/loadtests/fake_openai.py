@@ -2,7 +2,9 @@
 
 It streams `max_tokens` tokens per request (ignoring EOS, as the load generator asks), a few
 tokens per chunk like a speculative server, and counts what it served in a vLLM-schema
-`/metrics`, so client-side and server-side token counts can be compared.
+`/metrics`, so client-side and server-side token counts can be compared. Each reply's text
+names its request, so replies differ. With `prefix_cache` it also counts prefix-cache queries
+and hits in words: a prompt hits the longest word prefix it shares with an earlier prompt.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ class FakeState:
     send_token_ids: bool = True  # False: only text + final usage, like many servers
     valid_keys: tuple[str, ...] = ()  # empty: no auth
     error_after_chunks: int | None = None  # send an in-stream error event after this many
+    prefix_cache: bool = False  # expose prefix-cache counters (in words) in /metrics
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompts_seen: list[list[str]] = field(default_factory=list)
     generation_tokens: int = 0
     prompt_tokens: int = 0
     requests_ok: int = 0
@@ -68,11 +74,32 @@ class FakeOpenAI:
             f'hipfire:prompt_tokens_total{{model_name="fake-model"}} {s.prompt_tokens}',
             'hipfire:request_success_total{model_name="fake-model",finished_reason="length"} '
             f"{s.requests_ok}",
+            *([f"hipfire:prefix_cache_queries_total {s.prefix_cache_queries}",
+               f"hipfire:prefix_cache_hits_total {s.prefix_cache_hits}"]
+              if s.prefix_cache else []),
             "",
         ])  # fmt: skip
 
+    def _count_prefix_hits(self, req: dict, chat: bool) -> None:
+        if chat:
+            words = [w for m in req["messages"] for w in (m["role"], *m["content"].split())]
+        else:
+            words = req["prompt"].split()
+        best = 0
+        for seen in self.state.prompts_seen:
+            n = 0
+            while n < min(len(seen), len(words)) and seen[n] == words[n]:
+                n += 1
+            best = max(best, n)
+        self.state.prompts_seen.append(words)
+        self.state.prefix_cache_queries += len(words)
+        self.state.prefix_cache_hits += best
+
     async def _stream(self, send, req: dict, chat: bool) -> None:
         self.state.bodies.append(req)
+        request_no = len(self.state.bodies)
+        if self.state.prefix_cache:
+            self._count_prefix_hits(req, chat)
         num_tokens = int(req["max_tokens"])
         prompt = req["messages"][-1]["content"] if chat else req["prompt"]
         num_prompt = len(prompt.split())
@@ -88,7 +115,7 @@ class FakeOpenAI:
             num_chunks += 1
             k = min(self.state.tokens_per_chunk, num_tokens - sent)
             ids = list(range(sent, sent + k))
-            text = "".join(f" t{i}" for i in ids)
+            text = "".join(f" r{request_no}t{i}" for i in ids)
             if chat:
                 choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
             else:
