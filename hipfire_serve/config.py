@@ -21,7 +21,12 @@ class EngineConfig:
     draft: str = _f(
         "auto",
         "drafter: a model directory, 'ngram', 'synthetic' (benchmarks only), 'none', or 'auto' "
-        "(the demo draft model with the demo target, else none)",
+        "(the demo block drafter with the demo target, else none)",
+    )
+    draft_rerank: bool = _f(
+        False,
+        "re-rank a block drafter's top-k candidates for greedy requests with an online learner "
+        "trained on verified tokens (only with a block drafter; outputs are unchanged)",
     )
     spec_mode: str = _f("adaptive", "speculation policy", choices=("adaptive", "spec", "ar"))
     spec_depth: int = _f(8, "rows verified per speculating request (drafts + 1), at most")

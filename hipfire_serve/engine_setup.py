@@ -52,10 +52,10 @@ def resolve_device(name: str) -> torch.device:
 def resolve_model_dirs(config: EngineConfig) -> tuple[Path, str]:
     """Returns (target dir, drafter spec: a directory, 'ngram', 'synthetic' or 'none')."""
     if config.model == "demo":
-        from hipfire_serve.demo import demo_draft_dir, demo_model_dir
+        from hipfire_serve.demo import demo_block_drafter_dir, demo_model_dir
 
         target = demo_model_dir()
-        draft = str(demo_draft_dir()) if config.draft == "auto" else config.draft
+        draft = str(demo_block_drafter_dir()) if config.draft == "auto" else config.draft
     else:
         target = Path(config.model)
         draft = "none" if config.draft == "auto" else config.draft
@@ -126,6 +126,7 @@ def _make_drafter(
         return SyntheticDrafter(path, cohort, seed=config.seed, inner=inner)
     if isinstance(draft_model, BlockDraftModel):
         from executor.drafters.block_drafter import BlockDrafter
+        from executor.drafters.rerank import OnlineReranker
 
         return BlockDrafter(
             draft_model,
@@ -135,6 +136,7 @@ def _make_drafter(
             max_model_len=max_len,
             seed=config.seed,
             graphs="off" if config.graphs == "off" else "lazy",
+            reranker=OnlineReranker() if config.draft_rerank else None,
         )
     from executor.drafters.draft_model import DraftModelDrafter
 
@@ -164,6 +166,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     limit = config.max_model_len or target.config.max_position
     max_model_len = min(limit, target.config.max_position)
     draft_model = _draft_model(config, draft_spec, target, device)
+    if config.draft_rerank and not isinstance(draft_model, BlockDraftModel):
+        raise ValueError(
+            f"--draft-rerank needs a block drafter, and --draft {draft_spec} is not one: "
+            "drop --draft-rerank or serve a block drafter's directory"
+        )
     budget = (
         auto_kv_budget(device)
         if config.kv_cache_memory == "auto"

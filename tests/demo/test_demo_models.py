@@ -10,12 +10,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hipfire_serve.demo import demo_draft_dir, demo_model_dir
+from hipfire_serve.demo import demo_block_drafter_dir, demo_draft_dir, demo_model_dir
 from hipfire_serve.demo.corpus import chat_text
 
 transformers = pytest.importorskip("transformers")
 
 MAX_PAIR_BYTES = 30_000_000  # both directories together, tokenizer files included
+MAX_DEMO_BYTES = 40_000_000  # the target and both drafters
 REQUIRED_FILES = (
     "config.json",
     "generation_config.json",
@@ -48,6 +49,16 @@ def test_pair_fits_the_size_limit_with_all_files():
         assert set(REQUIRED_FILES) <= names, model_dir
         total += sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
     assert total <= MAX_PAIR_BYTES
+
+
+def test_the_whole_demo_set_fits_its_budget_and_the_block_drafter_loads():
+    from executor.drafters.block_config import is_block_drafter_dir
+
+    block = demo_block_drafter_dir()
+    assert is_block_drafter_dir(block)
+    dirs = [*DIRS.values(), block]
+    total = sum(p.stat().st_size for d in dirs for p in d.iterdir() if p.is_file())
+    assert total <= MAX_DEMO_BYTES
 
 
 def test_weights_are_bf16_and_sizes_match_the_spec():
