@@ -23,7 +23,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from hipfire_serve.server.engine_client import EngineClient, EngineUnavailable
+from hipfire_serve.server.engine_client import (
+    EngineClient,
+    EngineUnavailable,
+    startup_batch,
+    with_served_stats,
+)
 from hipfire_serve.server.engine_loop import CallCommand, EngineDriver
 
 logger = logging.getLogger("hipfire_serve.server")
@@ -102,10 +107,11 @@ class AsyncEngine(EngineClient):
     def _serve(self) -> None:
         driver = self._driver
         loop = self._loop
+        loop.call_soon_threadsafe(self._deliver, startup_batch(self.engine))
         while not self._stopping:
             while self._commands:
                 driver.apply(self._commands.popleft())
-            batch = driver.run_round()
+            batch = with_served_stats(driver.run_round(), self.engine)
             if batch is not None:
                 loop.call_soon_threadsafe(self._deliver, batch)
             self._wake.clear()

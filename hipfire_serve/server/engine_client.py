@@ -9,6 +9,8 @@ methods run on the event loop.
 It also keeps what the supervisor (`supervisor.py`) judges the engine by: a fault the transport
 reported (the thread died, the child exited), and when the engine last showed progress while
 something waited on it. `fail` ends everything waiting on a failed engine at once.
+
+The engine side of both loops sends `ServedStats` (`with_served_stats`, `startup_batch`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from hipfire_serve.round_stats import EngineStats
 from hipfire_serve.server.engine_loop import (
     AbortCommand,
     AddCommand,
@@ -30,6 +35,47 @@ from hipfire_serve.server.engine_loop import (
 from hipfire_serve.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger("hipfire_serve.server")
+
+
+class ServedStats(EngineStats, kw_only=True):
+    """`Engine.stats()` with what the metrics take from the scheduler's prefix cache: its
+    block size and whether it is on, and the totals since the engine started of context
+    tokens looked up at admission and found cached, per tenant (requests resumed after
+    preemption apart, summed over tenants)."""
+
+    block_size: int = 0
+    enable_prefix_caching: bool = False
+    prefix_cache_queries: dict[str, int] = msgspec.field(default_factory=dict)
+    prefix_cache_hits: dict[str, int] = msgspec.field(default_factory=dict)
+    prefix_cache_resumed_queries: int = 0
+    prefix_cache_resumed_hits: int = 0
+
+
+def with_served_stats(batch: RoundBatch | None, engine: Any) -> RoundBatch | None:
+    """`batch` with its stats made `ServedStats`; on the engine side, between rounds. An
+    engine without a scheduler (a test double) keeps its own stats."""
+    scheduler = getattr(engine, "scheduler", None)
+    if batch is None or batch.stats is None or scheduler is None:
+        return batch
+    s = scheduler.stats
+    batch.stats = ServedStats(
+        **{name: getattr(batch.stats, name) for name in EngineStats.__struct_fields__},
+        block_size=scheduler.kv.block_size,
+        enable_prefix_caching=s.enable_prefix_caching,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        prefix_cache_resumed_queries=s.prefix_cache_resumed_queries,
+        prefix_cache_resumed_hits=s.prefix_cache_resumed_hits,
+    )
+    return batch
+
+
+def startup_batch(engine: Any) -> RoundBatch:
+    """What the engine side sends first, before any round: the engine's stats, so the metrics
+    know its slots, KV blocks and prefix cache from start-up (and a fresh child's totals
+    start from 0 where the metrics can see it)."""
+    batch = RoundBatch(replies=[], outputs=[], stats=engine.stats(), stats_calls=[])
+    return with_served_stats(batch, engine)
 
 
 class EngineUnavailable(Exception):

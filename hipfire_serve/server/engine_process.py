@@ -31,8 +31,13 @@ from typing import Any
 import msgspec
 
 from hipfire_serve.config import EngineConfig
-from hipfire_serve.engine import EngineStats
-from hipfire_serve.server.engine_client import EngineClient, EngineUnavailable
+from hipfire_serve.server.engine_client import (
+    EngineClient,
+    EngineUnavailable,
+    ServedStats,
+    startup_batch,
+    with_served_stats,
+)
 from hipfire_serve.server.engine_loop import (
     AbortCommand,
     AddCommand,
@@ -83,6 +88,7 @@ def _child_main(config: EngineConfig, tenant_specs: list, conn, lifeline, parent
     conn.send_bytes(encoder.encode(Ready(engine.model_name, engine.max_model_len, target_dir)))
     driver = EngineDriver(engine)
     try:
+        conn.send_bytes(encoder.encode(startup_batch(engine)))
         while True:
             if not driver.has_work() and not conn.poll(1.0):
                 continue
@@ -91,7 +97,7 @@ def _child_main(config: EngineConfig, tenant_specs: list, conn, lifeline, parent
                 if isinstance(command, StopCommand):
                     return
                 driver.apply(command)
-            batch = driver.run_round()
+            batch = with_served_stats(driver.run_round(), engine)
             if batch is not None:
                 conn.send_bytes(encoder.encode(batch))
     except (EOFError, OSError):
@@ -171,7 +177,7 @@ class ProcessEngine(EngineClient):
         self.model_name = first.model_name
         self.max_model_len = first.max_model_len
         self.tokenizer = Tokenizer.from_dir(first.tokenizer_dir)
-        self._decoder = msgspec.msgpack.Decoder(RoundBatch[EngineStats])
+        self._decoder = msgspec.msgpack.Decoder(RoundBatch[ServedStats])
         self._encoder = msgspec.msgpack.Encoder()
         self._attached = False
         self._stopped = False

@@ -5,17 +5,18 @@ Dashboards and routers built for vLLM read the same names after a prefix swap; w
 `vllm:gpu_cache_usage_perc`). The scheduler's own metrics (rows, routes, phases, predicted vs
 measured round time, policy switches, slots) have no vLLM counterpart and stay `hipfire:` only.
 
-Labels: `model_name` everywhere; `tenant` on per-request metrics only with
+Labels: `model_name` everywhere; `tenant` on per-request and prefix-cache counters only with
 `--metrics-tenant-labels`: `/metrics` takes no API key, so the label would show every tenant's
 name and traffic to anyone who reaches the port (tenants come from a file, so the label stays
-low-cardinality when on). Metrics labelled by `model_name` alone exist from start-up (gauges at
-0), so scrapes and `rate()` see them before the first request. Updates come from the event-loop
-thread only (one batch per engine round), never from the engine thread, so rounds do not pay.
+low-cardinality when on). The twins of the prefix-cache counters and of `cache_config_info`
+carry vLLM's labels exactly, its `engine` too. Metrics labelled by `model_name` alone exist from
+start-up (gauges at 0), so scrapes and `rate()` see them before the first request. Updates come
+from the event-loop thread only (one batch per engine round), so rounds do not pay.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,12 @@ _SPEC_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _M = ("model_name",)
 _MT = ("model_name", "tenant")
 
+# vLLM's `engine` label is the index of the engine core behind the API server; a server here
+# drives one engine.
+VLLM_ENGINE = "0"
+# `cache_config_info`'s labels: the fields of vLLM's CacheConfig this server can fill truthfully.
+CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype")
+
 
 @dataclass(frozen=True)
 class MetricSpec:
@@ -62,6 +69,7 @@ class MetricSpec:
     buckets: tuple[float, ...] | None = None  # Histogram only
     in_vllm: bool = False  # vLLM's schema has it: exported as `vllm:<name>` with vllm_compat
     vllm_aliases: tuple[str, ...] = ()  # further `vllm:` names of it (legacy ones)
+    vllm_engine: bool = False  # the twin carries vLLM's `engine` label (`VLLM_ENGINE`)
 
     @property
     def attr(self) -> str:
@@ -89,6 +97,38 @@ METRICS = (
     ),
     MetricSpec(Gauge, "live_slots", "Slots in use.", _M),
     MetricSpec(Gauge, "slot_capacity", "Slot pool size.", _M),
+    # prefix caching, in context tokens at admission. vLLM v1 records a preempted request's
+    # new lookup apart (PrefixCacheStats.preempted_*) and exports only the others as
+    # vllm:prefix_cache_queries/hits, so a request finding its own blocks again does not raise
+    # the hit rate. So do these; the resumed lookups have hipfire-only counters of their own.
+    MetricSpec(
+        Counter,
+        "prefix_cache_queries",
+        "Prefix cache queries: context tokens looked up at admission.",
+        _MT,
+        in_vllm=True,
+        vllm_engine=True,
+    ),
+    MetricSpec(
+        Counter,
+        "prefix_cache_hits",
+        "Prefix cache hits: context tokens found cached at admission.",
+        _MT,
+        in_vllm=True,
+        vllm_engine=True,
+    ),
+    MetricSpec(
+        Counter,
+        "prefix_cache_resumed_queries",
+        "Context tokens looked up by requests resumed after preemption.",
+        _M,
+    ),
+    MetricSpec(
+        Counter,
+        "prefix_cache_resumed_hits",
+        "Context tokens found cached by requests resumed after preemption.",
+        _M,
+    ),
     # per request
     MetricSpec(
         Histogram,
@@ -218,10 +258,29 @@ class ServerMetrics:
             setattr(self, spec.attr, metric)
             if labels == _M:
                 self._c(metric, model_name)  # exported from start-up, at 0
+        # An info metric as vLLM makes it: a gauge at 1 whose labels say the configuration. Not
+        # in METRICS: it has no series of `model_name` alone, and its labels are known once
+        # the engine reports (its first stats come as it starts).
+        self.cache_config_info = Gauge(
+            PREFIX + "cache_config_info",
+            "The KV cache's configuration, in the labels (the value is 1).",
+            (*_M, *CACHE_CONFIG_LABELS),
+            registry=self.registry,
+        )
+        self._cache_config: tuple[str, ...] = ()
+        self._prefix_totals: dict[tuple[str, str | None], int] = {}
         if vllm_compat:
-            self.registry.register(
-                _VllmAliases([(getattr(self, s.attr), s) for s in METRICS if s.in_vllm])
-            )
+            sources = [
+                (
+                    getattr(self, s.attr),
+                    (s.name, *s.vllm_aliases),
+                    _with_engine if s.vllm_engine else None,
+                )
+                for s in METRICS
+                if s.in_vllm
+            ]
+            sources.append((self.cache_config_info, ("cache_config_info",), _vllm_info_labels))
+            self.registry.register(_VllmAliases(sources))
 
     def _c(self, metric: Any, *labels: str) -> Any:
         """The metric's child for `labels`, cached: `.labels()` validates on every call, and
@@ -242,8 +301,42 @@ class ServerMetrics:
         self._c(self.kv_cache_usage_perc, name).set(stats.kv_usage)
         self._c(self.live_slots, name).set(stats.live_slots)
         self._c(self.slot_capacity, name).set(stats.slot_capacity)
+        # Only `ServedStats` (server/engine_client.py) has these; stats made up after an
+        # engine failure do not, and leave them as they are.
+        if getattr(stats, "block_size", 0):
+            self._observe_cache_config(stats)
+            self._observe_prefix_cache(stats)
         for rnd in stats.rounds:
             self.observe_round(rnd)
+
+    def _observe_cache_config(self, stats: Any) -> None:
+        # The KV cache takes the model's dtype, which vLLM's cache_dtype calls "auto".
+        enabled = str(bool(stats.enable_prefix_caching))  # vLLM's spelling: True / False
+        config = (str(stats.block_size), str(stats.num_kv_blocks), enabled, "auto")
+        if config != self._cache_config:
+            self.cache_config_info.clear()
+            self.cache_config_info.labels(self.model_name, *config).set(1)
+            self._cache_config = config
+
+    def _observe_prefix_cache(self, stats: Any) -> None:
+        """Advances the prefix-cache counters by what the engine's totals grew since its last
+        stats. A total below the one seen before means a fresh engine (a restarted child),
+        whose totals count from 0: all of them are new."""
+        totals: dict[tuple[str, str | None], int] = {}
+        for attr in ("prefix_cache_queries", "prefix_cache_hits"):
+            for tenant, num_tokens in getattr(stats, attr).items():
+                totals[(attr, tenant)] = num_tokens
+        totals[("prefix_cache_resumed_queries", None)] = stats.prefix_cache_resumed_queries
+        totals[("prefix_cache_resumed_hits", None)] = stats.prefix_cache_resumed_hits
+        seen = self._prefix_totals
+        if any(totals.get(key, 0) < num_tokens for key, num_tokens in seen.items()):
+            seen = {}
+        for (attr, tenant), num_tokens in totals.items():
+            grown = num_tokens - seen.get((attr, tenant), 0)
+            if grown:
+                labels = (self.model_name,) if tenant is None else self._labels(tenant)
+                self._c(getattr(self, attr), *labels).inc(grown)
+        self._prefix_totals = totals
 
     def observe_round(self, rnd: Any) -> None:
         name = self.model_name
@@ -314,24 +407,43 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+Relabel = Callable[[dict[str, str]], dict[str, str]]
+
+
 class _VllmAliases:
     """Re-exports the vLLM-schema metrics under `vllm:` names at scrape time (no second set
-    of objects to keep in step)."""
+    of objects to keep in step): each source is a metric, its names without `vllm:`, and how
+    its labels become vLLM's (None: as they are)."""
 
-    def __init__(self, sources: list[tuple[Any, MetricSpec]]) -> None:
+    def __init__(self, sources: list[tuple[Any, tuple[str, ...], Relabel | None]]) -> None:
         self.sources = sources
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterable[Metric]:
-        for metric, spec in self.sources:
+        for metric, names, relabel in self.sources:
             for family in metric.collect():
-                for alias in (spec.name, *spec.vllm_aliases):
-                    yield _renamed(family, family.name, "vllm:" + alias)
+                for name in names:
+                    yield _renamed(family, family.name, "vllm:" + name, relabel)
 
 
-def _renamed(family: Metric, old: str, new: str) -> Metric:
+def _with_engine(labels: dict[str, str]) -> dict[str, str]:
+    return {"model_name": labels["model_name"], "engine": VLLM_ENGINE, **labels}
+
+
+def _vllm_info_labels(labels: dict[str, str]) -> dict[str, str]:
+    """vLLM's cache_config_info has the config's labels and `engine`, no `model_name`."""
+    return {**{n: labels[n] for n in CACHE_CONFIG_LABELS}, "engine": VLLM_ENGINE}
+
+
+def _renamed(family: Metric, old: str, new: str, relabel: Relabel | None = None) -> Metric:
     out = Metric(new, family.documentation, family.type, family.unit)
-    out.samples = [s._replace(name=new + s.name[len(old) :]) for s in family.samples]
+    out.samples = [
+        s._replace(
+            name=new + s.name[len(old) :],
+            labels=s.labels if relabel is None else relabel(s.labels),
+        )
+        for s in family.samples
+    ]
     return out

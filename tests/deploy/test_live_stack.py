@@ -42,7 +42,7 @@ PANELS_WITH_DATA = (
     "Output tokens/s", "Live slots", "Throughput (tokens/s)", "TTFT p50 / p99", "ITL p50 / p99",
     "E2E latency p50 / p99", "Live slots vs capacity", "Backlog", "Tokens/s per tenant",
     "Spec requests and rows per round", "Route mix (request-rounds/s)",
-    "Predicted vs measured round time", "Round phases (mean)",
+    "Predicted vs measured round time", "Round phases (mean)", "Prefix cache hit rate",
 )  # fmt: skip
 PANELS_WITH_DATA_WHEN_DRAFTED = ("Acceptance length", "Acceptance")
 
@@ -187,3 +187,4 @@ def test_throughput_latency_and_slot_panels_return_data(stack):
     assert not empty, "no data:\n" + "\n".join(empty)
     assert _values(stack, "model_name:hipfire_generation_tokens:rate1m")[0] > 0
     assert _values(stack, "sum(hipfire:slot_capacity)") == [8.0]
+    assert 0 <= _values(stack, "model_name:hipfire_prefix_cache_hit_rate:ratio_rate5m")[0] <= 1
