@@ -8,8 +8,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from executor.gguf.files import find_gguf_file
+from executor.hybrid_loader import IGNORED_PREFIXES, hybrid_weights
 from executor.model import LayerWeights, Model, ModelWeights
 from executor.model_config import ModelConfig, ModelLoadError, load_model_config
+from executor.quant.linear import QuantLinear
+from executor.quant.linear_loader import take_linear
+from executor.quant.scheme import QuantScheme, read_quant_scheme
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -46,7 +51,8 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     for path in _safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                tensors[name] = f.get_tensor(name)
+                if not name.startswith(IGNORED_PREFIXES):  # a vision tower, an MTP head
+                    tensors[name] = f.get_tensor(name)
     return tensors
 
 
@@ -58,24 +64,31 @@ def take_weight(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 
 def load_weights(
-    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+    model_dir: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    scheme: QuantScheme | None = None,
+    sd: dict[str, torch.Tensor] | None = None,
 ) -> ModelWeights:
-    sd = read_state_dict(model_dir)
+    """The model's weights from the directory's safetensors (or from `sd`, HF-named); linear
+    layers stay packed where `scheme` says the checkpoint is quantized (executor/quant)."""
+    sd = read_state_dict(model_dir) if sd is None else sd
 
     def t(name: str) -> torch.Tensor:
         return take_weight(sd, name).to(device=device, dtype=dtype).contiguous()
 
+    def lin(*prefixes: str):
+        # dense [N, K] or a QuantLinear; several prefixes are fused along N
+        return take_linear(sd, list(prefixes), scheme, dtype, device)
+
+    if config.is_hybrid:
+        return hybrid_weights(sd, config, t, quantized=scheme is not None)
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         # q, k, v fused into one [q + 2 kv, hidden] matrix: one GEMM instead of three.
-        qkv = torch.cat(
-            [
-                t(p + "self_attn.q_proj.weight"),
-                t(p + "self_attn.k_proj.weight"),
-                t(p + "self_attn.v_proj.weight"),
-            ]
-        )
+        qkv = lin(p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")
         qkv_bias = None
         if config.qkv_bias:
             qkv_bias = torch.cat(
@@ -85,7 +98,7 @@ def load_weights(
                     t(p + "self_attn.v_proj.bias"),
                 ]
             )
-        gate_up = torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")])
+        gate_up = lin(p + "mlp.gate_proj", p + "mlp.up_proj")
         layers.append(
             LayerWeights(
                 input_norm=t(p + "input_layernorm.weight"),
@@ -93,17 +106,18 @@ def load_weights(
                 qkv_bias=qkv_bias,
                 q_norm=t(p + "self_attn.q_norm.weight") if config.qk_norm else None,
                 k_norm=t(p + "self_attn.k_norm.weight") if config.qk_norm else None,
-                o_proj=t(p + "self_attn.o_proj.weight"),
+                o_proj=lin(p + "self_attn.o_proj"),
                 post_norm=t(p + "post_attention_layernorm.weight"),
                 gate_up=gate_up,
-                down=t(p + "mlp.down_proj.weight"),
+                down=lin(p + "mlp.down_proj"),
             )
         )
     embed = t("model.embed_tokens.weight")
-    if config.tie_word_embeddings or "lm_head.weight" not in sd:
+    if config.tie_word_embeddings or not any(n.startswith("lm_head.") for n in sd):
         lm_head = embed
     else:
-        lm_head = t("lm_head.weight")
+        lm_head = lin("lm_head")  # dense: drafters share it through their own GEMM
+        lm_head = lm_head.dequantize() if isinstance(lm_head, QuantLinear) else lm_head
     return ModelWeights(
         embed=embed, layers=tuple(layers), final_norm=t("model.norm.weight"), lm_head=lm_head
     )
@@ -117,8 +131,18 @@ def load_model(
     ops_backend: str = "auto",
 ) -> Model:
     model_dir = Path(model_dir)
-    config = load_model_config(model_dir)
     device = torch.device(device)
+    gguf_file = find_gguf_file(model_dir)
+    if gguf_file is not None:  # a .gguf file, or a directory holding one and no config.json
+        from executor.gguf.checkpoint import gguf_model_config, gguf_state_dict
+
+        config = gguf_model_config(gguf_file)
+        torch_dtype = resolve_dtype(dtype, config, device)
+        sd = gguf_state_dict(gguf_file, config, torch_dtype, device)
+        weights = load_weights(model_dir, config, torch_dtype, device, sd=sd)
+        return Model(config, weights, device=device, dtype=torch_dtype, ops_backend=ops_backend)
+    config = load_model_config(model_dir)
+    scheme = read_quant_scheme(model_dir)  # refuses what it does not support, before weights
     torch_dtype = resolve_dtype(dtype, config, device)
-    weights = load_weights(model_dir, config, torch_dtype, device)
+    weights = load_weights(model_dir, config, torch_dtype, device, scheme)
     return Model(config, weights, device=device, dtype=torch_dtype, ops_backend=ops_backend)

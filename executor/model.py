@@ -1,10 +1,12 @@
-"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3) over a ragged batch of rows.
+"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3, and the hybrid Qwen3.5) over a
+ragged batch of rows.
 
 One call runs every new row of a round: prefill chunks, single AR rows and multi-row speculative
 groups alike. A sequence contributes `q_len >= 1` consecutive rows; they attend causally among
 themselves and to the sequence's cached KV. New K/V are written into the paged cache in place, so
 after the forward the cache holds every row's KV (rejected speculative rows simply lie past the
-committed end).
+committed end). A hybrid target's linear-attention layers read and write per-slot recurrent
+state instead (`executor/linear_attention.py`, `executor/recurrent_state.py`).
 """
 
 from __future__ import annotations
@@ -14,22 +16,28 @@ from dataclasses import dataclass
 import torch
 
 from executor.hidden_capture import HiddenCapture
+from executor.linear_attention import LinearAttnWeights, linear_attention
 from executor.model_config import ModelConfig
 from executor.ops import select_ops, skinny_linear_enabled
+from executor.quant.linear import QuantLinear, is_quantized, quant_linear
+from executor.recurrent_state import RoundStates
 from executor.rope import build_cos_sin_cache
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    # [q_size + 2 * kv_size (+ q_size: the output gate, with attn_output_gate), hidden];
+    # None (and o_proj too) on a linear-attention layer
+    qkv: torch.Tensor | None
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None  # [head_dim]
-    o_proj: torch.Tensor  # [hidden, q_size]
+    o_proj: torch.Tensor | None  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    linear_attn: LinearAttnWeights | None = None  # a hybrid target's linear-attention layer
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,7 @@ class Model:
         self.dtype = dtype
         self.ops = select_ops(device, ops_backend)
         self.route_linear_through_ops = skinny_linear_enabled()
+        self.quantized = is_quantized(weights)  # some linear weights are QuantLinear
         self.max_position = max_position or config.max_position
         self.cos_sin = build_cos_sin_cache(
             config.rope, config.head_dim, self.max_position, device
@@ -82,8 +91,14 @@ class Model:
         w = self.weights
         tensors = [w.embed, w.final_norm] + ([] if w.lm_head is w.embed else [w.lm_head])
         for lw in w.layers:
-            tensors += [t for t in vars(lw).values() if t is not None]
+            parts = vars(lw) | (vars(lw.linear_attn) if lw.linear_attn is not None else {})
+            tensors += [t for t in parts.values() if isinstance(t, torch.Tensor | QuantLinear)]
         return sum(t.numel() for t in tensors)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether linear-attention layers keep per-slot recurrent state (`forward(states=)`)."""
+        return self.config.is_hybrid
 
     def forward(
         self,
@@ -93,11 +108,16 @@ class Model:
         v_caches: list[torch.Tensor],
         capture: HiddenCapture | None = None,
         causal: bool = True,
+        states: RoundStates | None = None,
     ) -> torch.Tensor:
         """Returns the final-normed hidden states [num_rows, hidden]. With `capture`, also
         writes the outputs of its layers into the first num_rows rows of its buffer. With
-        `causal=False` every row attends to its whole sequence (a block drafter's block)."""
+        `causal=False` every row attends to its whole sequence (a block drafter's block). A
+        hybrid target needs `states`: where each sequence's recurrent state lives this round."""
         cfg, ops = self.config, self.ops
+        if cfg.is_hybrid and states is None:
+            raise ValueError("a hybrid target's forward needs its round's recurrent states")
+        num_linear = 0
         linear = self._linear()
         num_rows = input_ids.shape[0]
         if capture is not None:
@@ -115,7 +135,19 @@ class Model:
                 # after layer i-1 (its output). `x` is normed and `hidden` lacks the stream.
                 if capture is not None:
                     capture.store(i - 1, residual)
-            qkv = linear(x, lw.qkv, lw.qkv_bias)  # [num_rows, q + 2 kv]
+            if lw.linear_attn is not None:
+                hidden = linear_attention(
+                    x, lw.linear_attn, cfg.linear_attn, cfg.rms_norm_eps, states, num_linear, linear
+                )
+                num_linear += 1
+                x, residual = ops.rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps, residual)
+                hidden = linear(ops.silu_and_mul(linear(x, lw.gate_up)), lw.down)
+                continue
+            qkv = linear(x, lw.qkv, lw.qkv_bias)  # [num_rows, q + 2 kv (+ q gate)]
+            gate = None
+            if cfg.attn_output_gate:  # the gate's columns follow v: qkv is read in place
+                gate = qkv[:, cfg.q_size + 2 * cfg.kv_size :]  # [num_rows, q_size]
+                qkv = qkv[:, : cfg.q_size + 2 * cfg.kv_size]
             # q/k head norm (Qwen3), RoPE and the K/V store read qkv in place in one pass.
             q = ops.qk_norm_rope_and_write_kv(
                 qkv,
@@ -141,7 +173,10 @@ class Model:
                 max_q_len=meta.max_q_len,
                 causal=causal,
             )  # [num_rows, num_q_heads, head_dim]
-            hidden = linear(attn.reshape(num_rows, cfg.q_size), lw.o_proj)
+            attn = attn.reshape(num_rows, cfg.q_size)
+            if gate is not None:
+                attn = attn * torch.sigmoid(gate)
+            hidden = linear(attn, lw.o_proj)
             x, residual = ops.rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps, residual)
             hidden = linear(ops.silu_and_mul(linear(x, lw.gate_up)), lw.down)
         out, _ = ops.rms_norm(hidden, self.weights.final_norm, cfg.rms_norm_eps, residual)
@@ -158,5 +193,10 @@ class Model:
 
     def _linear(self):
         """The linear layers' GEMM: the op set's (skinny kernel where it measured faster) when
-        routed through it, else torch's F.linear."""
-        return self.ops.linear if self.route_linear_through_ops else torch.nn.functional.linear
+        routed through it, else torch's F.linear; a quantized weight (a QuantLinear in place of
+        a dense one, executor/quant) computes its own product."""
+        dense = self.ops.linear if self.route_linear_through_ops else torch.nn.functional.linear
+        if not self.quantized:
+            return dense
+        # the Triton op set is the one whose linear is not torch's own
+        return quant_linear(dense, kernels=self.ops.linear is not torch.nn.functional.linear)

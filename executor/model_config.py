@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,11 @@ SUPPORTED_ARCHS: dict[str, tuple[bool, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
+
+# Hybrid targets: Gated DeltaNet layers beside gated full attention (Qwen3.5 dense), text only.
+HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+MOE_HYBRID_ARCHS = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+LAYER_KINDS = ("full_attention", "linear_attention")
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -40,6 +46,30 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttnConfig:
+    """The Gated DeltaNet layers' shape (HF `linear_*` fields)."""
+
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads: each k head serves consecutive v heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str
     vocab_size: int
@@ -58,6 +88,19 @@ class ModelConfig:
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Hybrid targets: each layer's kind (LAYER_KINDS; empty: every layer is full attention),
+    # the linear layers' shape, and a sigmoid gate on the full layers' attention output.
+    layer_types: tuple[str, ...] = ()
+    linear_attn: LinearAttnConfig | None = None
+    attn_output_gate: bool = False
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.linear_attn is not None
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     @property
     def q_size(self) -> int:
@@ -121,19 +164,22 @@ def load_model_config(model_dir: Path | str) -> ModelConfig:
         raise ModelLoadError(f"missing config.json in {model_dir}")
     raw = json.loads(path.read_text())
     archs = raw.get("architectures") or []
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    hybrid = next((a for a in archs if a in HYBRID_ARCHS + MOE_HYBRID_ARCHS), None)
+    if hybrid is not None:
+        return hybrid_config(raw, model_dir, hybrid, _ids(gen.get("eos_token_id")))
     arch = next((a for a in archs if a in SUPPORTED_ARCHS), None)
     if arch is None:
         raise ModelLoadError(
             f"unsupported architecture {archs or raw.get('model_type')!r} in {path.name} "
-            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+            f"(supported: {', '.join((*SUPPORTED_ARCHS, *HYBRID_ARCHS))})"
         )
     if raw.get("use_sliding_window") or (
         arch == "MistralForCausalLM" and raw.get("sliding_window")
     ):
         raise ModelLoadError("sliding-window attention is not supported; set sliding_window null")
     default_bias, qk_norm = SUPPORTED_ARCHS[arch]
-    gen_path = model_dir / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     return decoder_config(
         raw,
         model_dir,
@@ -183,3 +229,68 @@ def decoder_config(
         raise ModelLoadError(
             f"config.json in {model_dir} lacks required field {e.args[0]!r}"
         ) from e
+
+
+def hybrid_config(
+    raw: dict, model_dir: Path, arch: str, eos_token_ids: tuple[int, ...] = ()
+) -> ModelConfig:
+    """A Qwen3.5 dense config (`Qwen3_5ForCausalLM`, or the released
+    `Qwen3_5ForConditionalGeneration` layout with its fields under `text_config`: only the text
+    model is served, the vision tower is ignored). Missing `linear_*` fields, `head_dim` and
+    `partial_rotary_factor` take transformers' defaults; `layer_types` comes from
+    `full_attention_interval` (every 4th layer full) when absent. The multimodal RoPE sections
+    are ignored: text positions are equal on all three axes, which makes it plain RoPE."""
+    text = dict(raw.get("text_config") or raw)
+    if arch in MOE_HYBRID_ARCHS or "num_experts" in text:
+        raise ModelLoadError(
+            f"{arch}: mixture-of-experts targets are not supported "
+            f"(num_experts={text.get('num_experts')}); serve a dense qwen3_5 model"
+        )
+    for name, wanted in (("attn_output_gate", True), ("attention_bias", False)):
+        if bool(text.get(name, wanted)) != wanted:
+            raise ModelLoadError(f"{arch}: {name}={text[name]} is not supported (only {wanted})")
+    if text.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{arch}: hidden_act={text['hidden_act']!r} (only 'silu')")
+    params = dict(text.get("rope_parameters") or {})
+    if "partial_rotary_factor" not in params and "partial_rotary_factor" not in text:
+        text["partial_rotary_factor"] = 0.25
+    text.setdefault("head_dim", 256)
+    if "tie_word_embeddings" in raw:  # the outer config's, in the multimodal layout
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    cfg = decoder_config(
+        text,
+        model_dir,
+        arch=arch,
+        default_bias=False,
+        qk_norm=True,
+        eos_token_ids=eos_token_ids or _ids(text.get("eos_token_id") or raw.get("eos_token_id")),
+    )
+    interval = int(text.get("full_attention_interval", 4))
+    layer_types = tuple(
+        text.get("layer_types")
+        or (
+            "linear_attention" if (i + 1) % interval else "full_attention"
+            for i in range(cfg.num_layers)
+        )
+    )
+    bad = next((t for t in layer_types if t not in LAYER_KINDS), None)
+    if len(layer_types) != cfg.num_layers or bad is not None:
+        raise ModelLoadError(
+            f"{arch}: layer_types must name {cfg.num_layers} layers, each one of "
+            f"{', '.join(LAYER_KINDS)} (got {len(layer_types)}, {bad!r})"
+        )
+    linear = LinearAttnConfig(
+        num_key_heads=int(text.get("linear_num_key_heads", 16)),
+        num_value_heads=int(text.get("linear_num_value_heads", 32)),
+        key_head_dim=int(text.get("linear_key_head_dim", 128)),
+        value_head_dim=int(text.get("linear_value_head_dim", 128)),
+        conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+    )
+    if linear.num_value_heads % linear.num_key_heads or linear.conv_kernel < 2:
+        raise ModelLoadError(
+            f"{arch}: linear_num_value_heads={linear.num_value_heads} must be a multiple of "
+            f"linear_num_key_heads={linear.num_key_heads}, linear_conv_kernel_dim >= 2"
+        )
+    return dataclasses.replace(
+        cfg, layer_types=layer_types, linear_attn=linear, attn_output_gate=True
+    )

@@ -1,7 +1,8 @@
 """Tokenization for the engine: a Hugging Face tokenizer directory, chat templates, streaming
 detokenization and stop strings.
 
-- `Tokenizer` wraps `tokenizer.json` (the `tokenizers` library) plus the bits of
+- `Tokenizer` wraps `tokenizer.json` (the `tokenizers` library), or a SentencePiece
+  `tokenizer.model` turned into the same pipeline (`SentencePieceModel`), plus the bits of
   `tokenizer_config.json`, `generation_config.json` and `config.json` the engine needs.
 - `IncrementalDetokenizer` turns a growing list of token ids into text deltas.
 - `StopStringMatcher` finds stop strings in a stream of text deltas.
@@ -10,6 +11,7 @@ detokenization and stop strings.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,8 +21,11 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+from hipfire_serve.sentencepiece_model import SentencePieceModel
 
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens before the end of the prompt that seed the detokenizer's decode window, so that the first
@@ -95,8 +100,7 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compiles a chat template in a sandbox with the helpers Hugging Face templates call."""
+def _chat_template_env() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -105,7 +109,40 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compiles a chat template in a sandbox with the helpers Hugging Face templates call."""
+    return _chat_template_env().from_string(source)
+
+
+def _add_config_tokens(hf: _HFTokenizer, added: Any) -> None:
+    """tokenizer_config.json's `added_tokens_decoder` on a tokenizer built from a SentencePiece
+    model: tokens past its pieces (chat markers of a fine-tune) at their ids, and the special
+    flag of pieces it already has."""
+    if not isinstance(added, Mapping):
+        return
+    from tokenizers import AddedToken
+
+    for key in sorted(added, key=lambda k: int(k) if str(k).isdigit() else -1):
+        entry = added[key]
+        if not (str(key).isdigit() and isinstance(entry, Mapping)):
+            continue
+        content, token_id = _token_content(entry), int(key)
+        if content is None:
+            continue
+        special = bool(entry.get("special", False))
+        token = AddedToken(content, special=special, normalized=bool(entry.get("normalized")))
+        if token_id < hf.get_vocab_size(with_added_tokens=True):
+            if hf.token_to_id(content) != token_id:
+                raise ValueError(f"added token {content!r} has id {token_id}, the model another")
+            if special:
+                hf.add_special_tokens([token])
+        elif token_id == hf.get_vocab_size(with_added_tokens=True):
+            (hf.add_special_tokens if special else hf.add_tokens)([token])
+        else:
+            raise ValueError(f"added token {content!r} has id {token_id}, past the vocabulary")
 
 
 class Tokenizer:
@@ -148,23 +185,57 @@ class Tokenizer:
     # -- loading ---------------------------------------------------------------------------------
 
     @classmethod
+    def _from_gguf(cls, path: Path) -> Tokenizer:
+        """The tokenizer and chat template a GGUF file's metadata carries."""
+        from executor.gguf.vocab import read_gguf_vocab
+
+        v = read_gguf_vocab(path)
+        return cls(
+            v.tokenizer,
+            chat_template=v.chat_template,
+            bos_token=v.bos_token,
+            eos_token=v.eos_token,
+            unk_token=v.unk_token,
+            pad_token=v.pad_token,
+            add_bos_token=v.add_bos_token,
+            eos_token_ids=v.eos_token_ids,
+        )
+
+    @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Loads `tokenizer.json` (required) and, when present, `tokenizer_config.json`,
-        `chat_template.jinja` / `chat_template.json`, `generation_config.json` and `config.json`."""
+        """Loads `tokenizer.json` (or else a SentencePiece `tokenizer.model`) and, when present,
+        `tokenizer_config.json`, `chat_template.jinja` / `chat_template.json`,
+        `generation_config.json` and `config.json`. A `.gguf` file, or a directory holding
+        one and no tokenizer files, gives the tokenizer of its metadata."""
         root = Path(path)
+        if not (root / "tokenizer.json").is_file() and not (root / "tokenizer.model").is_file():
+            from executor.gguf.files import find_gguf_file
+
+            gguf_file = find_gguf_file(root)
+            if gguf_file is not None:
+                return cls._from_gguf(gguf_file)
         if not root.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {root}")
-        tok_file = root / "tokenizer.json"
-        if not tok_file.is_file():
-            raise FileNotFoundError(f"tokenizer.json not found in {root}")
-        try:
-            hf = _HFTokenizer.from_file(str(tok_file))
-        except Exception as e:  # the Rust error text is long; keep the first line
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ValueError(f"tokenizer.json in {root} could not be loaded: {first}") from None
-
         cfg_file = root / "tokenizer_config.json"
         cfg = _read_json(cfg_file) if cfg_file.is_file() else {}
+        tok_file = root / "tokenizer.json"
+        if not tok_file.is_file():
+            tok_file = root / "tokenizer.model"
+            if not tok_file.is_file():
+                raise FileNotFoundError(
+                    f"tokenizer.json not found in {root} (nor a SentencePiece tokenizer.model)"
+                )
+        spm: SentencePieceModel | None = None
+        try:
+            if tok_file.name == "tokenizer.json":
+                hf = _HFTokenizer.from_file(str(tok_file))
+            else:
+                spm = SentencePieceModel.parse(tok_file.read_bytes())
+                hf = spm.to_hf(legacy=cfg.get("legacy") is not False)
+                _add_config_tokens(hf, cfg.get("added_tokens_decoder"))
+        except Exception as e:  # the Rust error text is long; keep the first line
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"{tok_file.name} in {root} could not be loaded: {first}") from None
         template: str | dict[str, str] | None = None
         raw_template = cfg.get("chat_template")
         if isinstance(raw_template, list):
@@ -188,13 +259,23 @@ class Tokenizer:
             if (root / name).is_file():
                 eos_ids += _as_id_list(_read_json(root / name).get("eos_token_id"))
         add_bos = cfg.get("add_bos_token")
+        # A SentencePiece model names its own special pieces; it adds BOS unless told otherwise,
+        # as Hugging Face's Llama tokenizer does.
+        own = {}
+        if spm is not None:
+            own = {
+                f"{name}_token": spm.piece(getattr(spm, f"{name}_id"))
+                for name in ("bos", "eos", "unk", "pad")
+            }
+            if add_bos is None:
+                add_bos = own["bos_token"] is not None
         return cls(
             hf,
             chat_template=template,
-            bos_token=_token_content(cfg.get("bos_token")),
-            eos_token=_token_content(cfg.get("eos_token")),
-            unk_token=_token_content(cfg.get("unk_token")),
-            pad_token=_token_content(cfg.get("pad_token")),
+            bos_token=_token_content(cfg.get("bos_token", own.get("bos_token"))),
+            eos_token=_token_content(cfg.get("eos_token", own.get("eos_token"))),
+            unk_token=_token_content(cfg.get("unk_token", own.get("unk_token"))),
+            pad_token=_token_content(cfg.get("pad_token", own.get("pad_token"))),
             add_bos_token=add_bos if isinstance(add_bos, bool) else None,
             eos_token_ids=eos_ids,
         )
@@ -210,6 +291,29 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self._template_sources)
+
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """A copy that renders every chat with `source` instead of the model's template(s);
+        ValueError when it does not compile."""
+        try:
+            compiled = compile_chat_template(source)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ValueError(f"the chat template does not compile: {e.message}") from None
+        other = copy.copy(self)
+        other._template_sources = {None: source}
+        other._templates = {None: compiled}
+        return other
+
+    def chat_template_variables(self, template_name: str | None = None) -> frozenset[str]:
+        """The variables the chat template reads from its context (empty without one)."""
+        source = self._template_sources.get(template_name)
+        if not source:
+            return frozenset()
+        try:
+            parsed = _chat_template_env().parse(source)
+        except jinja2.exceptions.TemplateSyntaxError:
+            return frozenset()
+        return frozenset(jinja2.meta.find_undeclared_variables(parsed))
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._hf.token_to_id(token)
