@@ -26,6 +26,7 @@ from scheduler.plan import TokenLogprob, offsets
 
 # rows of the packed per-row result copied to the host
 _GREEDY, _DRAW, _ACCEPT, _RESIDUAL = range(4)
+LOGPROB_FLOOR = -9999.0  # reported for tokens of probability 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ def launch_accept(
     draft_probs: torch.Tensor | None,  # [num draft rows, vocab] or None
     draft_rows: torch.Tensor | None,  # [num draft rows] logit rows the drafts' q belong to
     coupled: torch.Tensor | None = None,  # [L] bool: rows whose drafts share the target's noise
+    constraints=None,  # DeviceConstraints: logit bias and grammar masks of some rows, or None
 ) -> AcceptLaunch:
     """Greedy rows: the emitted token is the target's argmax (after penalties). A SPEC group of
     `1 + d` rows fed `[last, x_1 .. x_d]`: draft x_j is accepted while x_j == argmax(row j-1);
@@ -86,9 +88,16 @@ def launch_accept(
     x_j == y_j whenever both races pick the same token (Gumbel-max coupling), and every emitted
     token is the target's own draw: exact, and the output plain decoding gives with that seed.
     Rejection sampling accepts more (1 - TV(p, q) per draft, the most any rule can), which is
-    why requests without a seed keep it."""
+    why requests without a seed keep it.
+
+    `constraints` change p itself, before everything above: a row's logit bias is added and its
+    grammar's mask (after the drafts before the row) sets forbidden tokens to -inf. Every rule
+    then holds for the constrained p: a draft the grammar forbids has p(x_j) = 0 and is
+    rejected whatever its q, and a correction or bonus is drawn from the constrained p."""
     num_rows, vocab = logits.shape
     dev = logits.device
+    if constraints is not None:
+        logits = constraints.apply(logits)  # [L, V]
     if st.use_penalties:
         logits = sampler.penalize(logits, st, row_slots.tolist(), preceding)  # [L, V]
     packed_dev = torch.empty((4, num_rows), dtype=torch.int64, device=dev)  # [4, L]
@@ -286,6 +295,9 @@ def logprobs_of(
     idx = torch.tensor(rows, dtype=torch.int64, device=dev)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
     chosen, top_ids, top_lps = sampling.compute_logprobs(logits[idx], ids, max(ks))
+    # a grammar's forbidden tokens have logprob -inf, which JSON cannot carry: floored as vLLM
+    # floors them
+    chosen, top_lps = chosen.clamp(min=LOGPROB_FLOOR), top_lps.clamp(min=LOGPROB_FLOOR)
     chosen, top_ids, top_lps = chosen.tolist(), top_ids.tolist(), top_lps.tolist()
     return [
         TokenLogprob(token_ids[n], chosen[n], tuple(zip(top_ids[n][:k], top_lps[n][:k])))

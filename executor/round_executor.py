@@ -43,9 +43,11 @@ from executor.ragged_batch import (
     flat_drafts,
     upload_batch,
 )
+from executor.recurrent_state import RecurrentStates, RoundStates
 from executor.round_timing import RoundPeriods, phase_times
 from executor.row_sampler import RowSampler
 from executor.slot_table import SlotTable
+from executor.structured.slot_constraints import DeviceConstraints, SlotConstraints
 from scheduler.plan import Emitted, PhaseTimes, ReqPlan, RoundPlan, RoundResult
 
 
@@ -74,6 +76,8 @@ class RoundExecutor:
         lookahead = int(getattr(drafter, "kv_lookahead", 0))
         self.max_blocks_per_seq = -(-(max_model_len + lookahead) // block_size) + 1
         self.kv = KVCache.for_model(target, num_blocks=num_blocks, block_size=block_size)
+        # a hybrid target's linear layers keep per-slot recurrent state beside the KV blocks
+        self.states = RecurrentStates.for_model(target, max_slots) if target.is_hybrid else None
         self.drafter = drafter
         self.drafter_follows_prefill = drafter_follows_prefill  # asked for (see follow_prefill)
         self.vocab_size = target.config.vocab_size
@@ -92,6 +96,8 @@ class RoundExecutor:
         self._ahead_row = np.full(max_slots, -1, dtype=np.int64)
         self._periods = RoundPeriods()
         self.sampler = RowSampler(target.config.vocab_size, self.device, base_seed, max_slots)
+        # grammar matchers and logit biases; the engine installs the grammar compiler
+        self.constraints = SlotConstraints(max_slots, self.vocab_size, self.device)
         self.base_seed = base_seed
         self.sync_phases = sync_phases and self.device.type == "cuda"
         self._host = HostBuffer(self.device)
@@ -108,7 +114,7 @@ class RoundExecutor:
                 dtype=target.dtype,
                 device=self.device,
             )
-        if graphs != "off" and self.device.type == "cuda":
+        if graphs != "off" and self.device.type == "cuda" and self.states is None:
             self.graphs = DecodeGraphs(
                 target,
                 self.kv.k,
@@ -131,16 +137,22 @@ class RoundExecutor:
         to place requests in slots without running a round."""
         for slot in plan.release:
             self.table.release(slot)
+            if self.states is not None:
+                self.states.release(slot)
             self._ahead_row[slot] = -1
             self.sampler.release_slot(slot)
+            self.constraints.release_slot(slot)
             if self.drafter is not None:
                 self.drafter.release(slot)
         for s in plan.setup:
             context = list(s.context_token_ids)
             self.table.setup(s, context)
+            if self.states is not None:
+                self.states.setup(s.slot, s.num_cached_tokens)
             self._ahead_row[s.slot] = -1
             prompt_len = len(context) - s.num_output_tokens
             self.sampler.setup_slot(s.slot, context, prompt_len, s.sampling)
+            self.constraints.setup_slot(s.slot, s.sampling, context[prompt_len:])
             if self.drafter is not None:
                 # A cached prefix (`s.num_cached_tokens`) needs nothing of a drafter: a block
                 # drafter's context there was written by the forwards that computed those
@@ -214,11 +226,13 @@ class RoundExecutor:
         self._sync()
         t_forward = time.perf_counter()
         fwd_start = self._record_event()
-        logits = self._forward(dev, bucket)  # [L, vocab]
+        logits = self._forward(dev, bucket, self._round_states(plan, batch))  # [L, vocab]
         fwd_events = None if fwd_start is None else (fwd_start, self._record_event())
+        # the constrained rows' masks are filled on the host while the device runs the forward
+        constraints = self._constraints(plan, batch, proposal)
         self._sync()
         t_accept = time.perf_counter()
-        accept = self._launch_accept(batch, dev, proposal, logits)
+        accept = self._launch_accept(batch, dev, proposal, logits, constraints)
         if plan.follow_prefill and self.follow_prefill and plan.prefills:
             # after the target's forward: on a GPU these launches overlap its device time
             self._follow_prefill(plan.prefills)
@@ -281,7 +295,17 @@ class RoundExecutor:
             bucket = bucket_for(num_rows)
         return bucket if bucket <= self.graphs.max_rows else 0
 
-    def _forward(self, dev: DeviceBatch, bucket: int) -> torch.Tensor:
+    def _round_states(self, plan: RoundPlan, batch: RaggedBatch) -> RoundStates | None:
+        """A hybrid target's state layout for the round: SPEC groups journal (see `_commit`)."""
+        if self.states is None:
+            return None
+        return self.states.begin_round(
+            plan.round_id, batch.requests.slots, batch.group_rows, plan.decode.num_draft
+        )
+
+    def _forward(
+        self, dev: DeviceBatch, bucket: int, states: RoundStates | None = None
+    ) -> torch.Tensor:
         """The one target forward: the logits of the batch's logit rows [L, vocab]. With a
         drafter reading hidden states, the forward captures them and the drafter's context
         write for every row follows it on the stream."""
@@ -299,7 +323,7 @@ class RoundExecutor:
             logits = self.graphs.replay(bucket, dev.ids, dev.meta)
         else:
             hidden = self.target.forward(
-                dev.ids, dev.meta, self.kv.k, self.kv.v, capture
+                dev.ids, dev.meta, self.kv.k, self.kv.v, capture, states=states
             )  # [rows, hidden]
             if dev.logit_rows is not None:
                 hidden = hidden[dev.logit_rows]
@@ -311,12 +335,28 @@ class RoundExecutor:
             )
         return logits
 
+    def _constraints(
+        self, plan: RoundPlan, batch: RaggedBatch, proposal: DraftBatch | None
+    ) -> DeviceConstraints | None:
+        """The round's logit bias and grammar masks, uploaded (None when no row has any). A
+        grammar's masks follow the drafts, so a deferred proposal is resolved here: its copy
+        to the host was enqueued before the forward, which keeps running meanwhile."""
+        if not self.constraints.num_active:
+            return None
+        input_ids = batch.input_ids
+        if batch.drafts_pending and self.constraints.grammar[batch.requests.slots].any():
+            proposal.resolve()
+            input_ids = self._with_drafts(batch, proposal, plan)
+        rc = self.constraints.round_constraints(batch, input_ids)
+        return None if rc is None else self.constraints.upload(rc)
+
     def _launch_accept(
         self,
         batch: RaggedBatch,
         dev: DeviceBatch,
         proposal: DraftBatch | None,
         logits: torch.Tensor,  # [L, vocab]
+        constraints: DeviceConstraints | None = None,
     ) -> AcceptLaunch:
         """The acceptance of every logit row enqueued on the device, its copy to the host
         started; penalised rows count the drafts before them as output."""
@@ -337,6 +377,7 @@ class RoundExecutor:
             draft_probs,
             dev.draft_rows,
             coupled,
+            constraints,
         )
 
     def _follow_prefill(self, prefills: tuple[ReqPlan, ...]) -> None:
@@ -370,8 +411,9 @@ class RoundExecutor:
     def can_advance(self, p: PendingRound) -> bool:
         """Whether the next round may be launched before `p` finishes: `p` is AR rows only
         (no drafts, no prefill) whose tokens need nothing of the host (no penalties, whose
-        counts are committed on the host, and no logprobs, read from the logits the next
-        round's graph replay overwrites), and no other round is ahead."""
+        counts are committed on the host, no grammar, whose next masks follow these tokens,
+        and no logprobs, read from the logits the next round's graph replay overwrites), and
+        no other round is ahead."""
         plan = p.plan
         if self._ahead is not None or p.accept is None or plan.prefills:
             return False
@@ -380,6 +422,7 @@ class RoundExecutor:
             len(slots) > 0
             and not plan.decode.num_draft.any()
             and not self.table.penalised[slots].any()
+            and not (self.constraints.num_active and self.constraints.grammar[slots].any())
             and bool((self.table.logprobs_k[slots] < 0).all())
         )
 
@@ -445,10 +488,15 @@ class RoundExecutor:
         if p.drafts is None:
             return batch.input_ids
         p.drafts.resolve()
+        return self._with_drafts(batch, p.drafts, p.plan)
+
+    @staticmethod
+    def _with_drafts(batch: RaggedBatch, proposal: DraftBatch, plan: RoundPlan) -> np.ndarray:
+        """[R] the batch's input ids with a resolved proposal's drafts at their rows."""
         if not batch.drafts_pending:
             return batch.input_ids
         input_ids = batch.input_ids.copy()
-        input_ids[batch.draft_in_rows] = flat_drafts(p.drafts, p.plan)
+        input_ids[batch.draft_in_rows] = flat_drafts(proposal, plan)
         return input_ids
 
     def _commit(self, p: PendingRound, host: np.ndarray, input_ids: np.ndarray, advanced: bool):
@@ -477,9 +525,15 @@ class RoundExecutor:
             is_dec = np.arange(len(slots)) < n
             num_grown = np.where(is_dec, 1 + emitted.num_accepted, np.diff(batch.group_rows))
         own = table.commit(requests, emitted, num_grown)
+        if self.states is not None:  # a SPEC group's state after its last accepted row
+            self.states.commit(p.plan.round_id, own, emitted.num_accepted)
         starts, tokens = emitted.starts, emitted.tokens
         for i in np.flatnonzero(table.penalised[slots] & own & (emitted.num_emitted > 0)).tolist():
             self.sampler.commit(int(slots[i]), tokens[starts[i] : starts[i + 1]].tolist())
+        if self.constraints.num_active:  # matchers consume what their requests committed
+            grammar = self.constraints.grammar[slots] & own & (emitted.num_emitted > 0)
+            for i in np.flatnonzero(grammar).tolist():
+                self.constraints.commit(int(slots[i]), tokens[starts[i] : starts[i + 1]].tolist())
         if self.drafter is not None:
             # drafters only hear about rounds in which they drafted: AR and prefill tokens
             # reach them through the context at their next proposal

@@ -3,15 +3,15 @@ and logprobs for all rows of a round at once. Nothing here reads a tensor back t
 round costs no host-device synchronisation until the caller copies the sampled ids out.
 
 Per row, in this order (the same for AR rows, spec rows and rejection sampling):
-1. `apply_penalties` on the raw logits (repetition, then frequency and presence);
+1. `apply_logit_bias`, then `apply_token_bitmask` (a grammar's mask), then `apply_penalties`
+   (repetition, then frequency and presence), on the raw logits;
 2. greedy rows (temperature 0) take the argmax of the penalised logits;
 3. `process_logits`: temperature, top-k, top-p (after top-k), min-p, softmax;
 4. `sample_from_probs`: an exponential race on the counter-based generator of `executor/rng.py`.
 `compute_logprobs` reports the distribution after penalties, before temperature and filtering.
 
-Per-row parameters travel in one packed layout (`FLOAT_PARAMS`, `INT_PARAMS`): the executor's
-slot table holds it, `PackedSampling` gathers a batch's rows in it and
-`SamplingTensors.from_packed` reads their upload.
+Per-row parameters travel in one packed layout (`FLOAT_PARAMS`, `INT_PARAMS`): the slot table
+holds it, `PackedSampling` gathers a batch's rows, `SamplingTensors.from_packed` reads them.
 """
 
 from __future__ import annotations
@@ -281,6 +281,50 @@ def gather_row_counts(
         valid = preceding_ids >= 0  # [N, D]
         rows.scatter_add_(1, preceding_ids.clamp(min=0), valid.to(rows.dtype))
     return rows
+
+
+# -- constraints (logit bias, grammar masks) ---------------------------------------------------
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    token_ids: torch.Tensor,
+    values: torch.Tensor,
+) -> torch.Tensor:
+    """logits [L, V] -> logits [L, V] (a new tensor) with `values` [K] added at (rows [K],
+    token_ids [K]): OpenAI's logit_bias, on the raw logits."""
+    return logits.index_put((rows, token_ids), values.to(logits.dtype), accumulate=True)
+
+
+_BYTE_MASKS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _byte_masks(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: row b holds 0 where bit k of byte b is set and -inf where it is not."""
+    table = _BYTE_MASKS.get((device, dtype))
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]
+        table = torch.zeros(256, 8, dtype=dtype).masked_fill_(bits == 0, _NEG_INF).to(device)
+        _BYTE_MASKS[(device, dtype)] = table
+    return table
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """logits [L, V] -> logits [L, V] (a new tensor) whose rows `rows` [G] keep only the tokens
+    their bitmask [G, ceil(V / 32)] int32 allows (bit t % 32 of word t // 32, little-endian:
+    the layout llguidance and xgrammar fill), the others at -inf.
+
+    Each mask byte looks up its 8 additive terms (0 or -inf) in a [256, 8] table, and the terms
+    are added to the rows: a gather and an add, where unpacking the bits and filling the
+    logits takes several times longer on a CPU. Adding 0 leaves a logit as it was."""
+    num, vocab = bitmask.shape[0], logits.shape[-1]
+    table = _byte_masks(logits.device, logits.dtype)
+    mask_bytes = bitmask.view(torch.uint8).long()  # [G, 4 W]: byte t // 8 holds token t
+    terms = torch.nn.functional.embedding(mask_bytes, table).view(num, -1)[:, :vocab]  # [G, V]
+    return logits.index_add(0, rows, terms)
 
 
 # -- distributions -----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from executor.precompile import compile_attention_variants
+from executor.structured.grammar import GrammarError, compiler_for
 from hipfire_serve.config import EngineConfig
 from hipfire_serve.cost_profile import resolve_cost_model
 from hipfire_serve.engine_outputs import RequestTable, StepOutputs
@@ -88,6 +89,13 @@ class Engine:
         self.num_kv_blocks = parts.num_kv_blocks
         self.drafter = parts.drafter
         self.executor = parts.executor
+        # structured outputs: grammars compiled over the tokenizer, matchers in the executor
+        self.grammars, self._no_grammars = (
+            compiler_for(self.target_dir, self.target.config.vocab_size, self._eos_ids())
+            if self.tokenizer is not None
+            else (None, "the model has no tokenizer")
+        )
+        self.executor.constraints.compiler = self.grammars
         self._tenants = tuple(tenants)
         self._next_id = 0
         self._requests = RequestTable(self.tokenizer)
@@ -118,7 +126,9 @@ class Engine:
                 max_model_len=self.max_model_len,
                 has_drafter=self.drafter is not None,
                 draft_kv_lookahead=int(getattr(self.drafter, "kv_lookahead", 0)),
-                enable_prefix_caching=config.enable_prefix_caching,
+                # a hybrid target's recurrent state has no per-block snapshot to share
+                enable_prefix_caching=config.enable_prefix_caching
+                and not getattr(self.target, "is_hybrid", False),
                 shared_prefix_cache=config.shared_prefix_cache,
                 # the mode where the drafter can follow (a draft model), else off
                 drafter_follows_prefill=(
@@ -253,10 +263,8 @@ class Engine:
             raise ValueError("prompt is empty")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthError(len(prompt_ids), params.max_tokens, self.max_model_len)
-        eos_ids = (
-            self.tokenizer.eos_token_ids if self.tokenizer else self.target.config.eos_token_ids
-        )
-        eos = () if params.ignore_eos else tuple(eos_ids)
+        self._check_constraints(params)
+        eos = () if params.ignore_eos else tuple(self._eos_ids())
         now = time.monotonic() if arrival_time is None else arrival_time
         specs = []
         for index in range(params.n):
@@ -289,6 +297,27 @@ class Engine:
             raise
         choice_ids = [spec.req_id for spec in specs]
         self._requests.add(request_id, prompt_text, prompt_ids, params, choice_ids)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        tokenizer = self.tokenizer
+        return tuple(tokenizer.eos_token_ids if tokenizer else self.target.config.eos_token_ids)
+
+    def _check_constraints(self, params: SamplingParams) -> None:
+        """ValueError naming the field for a logit bias outside the vocabulary or a grammar
+        that cannot be compiled; a good grammar is compiled here, before admission (cached)."""
+        vocab = self.target.config.vocab_size
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        so = params.structured_outputs
+        if so is None:
+            return
+        if self.grammars is None:
+            raise ValueError(f"{so.field} is not available: {self._no_grammars}")
+        try:
+            self.grammars.compile(so.grammar_spec())
+        except GrammarError as exc:
+            raise ValueError(f"{so.field} cannot be compiled: {exc}") from None
 
     def abort(self, request_id: str) -> None:
         # The scheduler emits no delta for an aborted request, so its bookkeeping goes now

@@ -77,6 +77,7 @@ def plan_depths(
     base_tokens: float,  # tokens without drafts: sum(weights) + prefill completions
     num_prefill_rows: int,
     rate_bar: float = 0.0,
+    row_ms: np.ndarray | None = None,  # [n] host ms each draft row of request i adds, or None
 ) -> DepthChoice:
     """The drafts per request that maximise the round's objective, with its predicted cost.
 
@@ -106,7 +107,8 @@ def plan_depths(
     long-run rate of the regime (Dinkelbach's parametric form of a ratio objective): a
     position is taken when its survival pays for its marginal time at the rate the server
     earns on average. The policy passes the regime's rate (policy.RateTracker); rate_bar = 0
-    keeps the plain per-round ratio."""
+    keeps the plain per-round ratio. `row_ms` prices what a draft row costs its request beyond
+    the round's rows (a grammar's mask on the host), summed over the prefix's positions."""
     n, max_drafts = survival.shape
     ar_ms = cost_model.predict_ms_scalar(base_rows, base_kv_tokens, 0, 0, 0, num_prefill_rows)
     none = DepthChoice(np.zeros(n, dtype=np.int64), ar_ms, base_tokens, ar_ms, base_tokens)
@@ -152,6 +154,8 @@ def plan_depths(
         tokens = base_tokens + np.cumsum(value[taken])  # [m] tokens of each prefix
         num_rows = len(taken)
         draft = spec_terms(taken, np.arange(1, num_rows + 1), cap) + catchup_ms[taken]  # [m]
+        if row_ms is not None:
+            draft = draft + np.cumsum(row_ms[req_of[taken]])
         ms = corr[1 : num_rows + 1] * (fixed[1 : num_rows + 1] + draft) * spec_ratio[taken]
         # Objective: tokens - rate_bar * ms (see module doc); rate_bar 0: tokens / ms.
         rate = tokens - rate_bar * ms if rate_bar > 0 else tokens / ms

@@ -47,6 +47,14 @@ def offsets(counts: np.ndarray) -> np.ndarray:
     return np.concatenate((_ZERO, np.asarray(counts, dtype=np.int64))).cumsum()
 
 
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """A constraint on a request's output text, as the grammar library reads it (the executor
+    compiles it: `executor/structured/grammar.py`). Equal specs share one compiled grammar."""
+
+    kind: str  # "json" (a JSON schema), "json_object", "regex", "choice", "grammar" (Lark/GBNF)
+    source: str = ""  # the schema as JSON text, the regex, the choices as a JSON list, the grammar
+
+
 class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Per-request sampling, as the executor applies it on the device."""
 
@@ -59,6 +67,10 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     seed: int | None = None  # per-request generator: same seed, same output
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token + top-k alternatives
+    # (token id, bias) added to the raw logits of every row the request samples or verifies
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # the output must match it: every such row is masked to the tokens the grammar allows
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:

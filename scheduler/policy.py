@@ -184,6 +184,7 @@ def plan_in_basis(
         basis.base_tokens,
         basis.num_prefill_rows,
         basis.rate_bar,
+        view.row_host_ms,
     )
 
 

@@ -37,6 +37,8 @@ class DecodeView:
     draining: bool  # nothing waiting: finishing the live requests is what counts
     rate_bar: float = 0.0  # tokens per ms a draft position must pay for (0: per-round ratio)
     yield_factor: float = 1.0  # accepted drafts per draft the estimators expect accepted
+    # [n] host ms each verified row of the request adds (a grammar's mask); None: no such request
+    row_host_ms: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -97,8 +97,15 @@ class PolicyViews:
             draining=draining,
             rate_bar=self.rate_tracker.uplift * base_tokens / ar_ms,
             yield_factor=self.yield_tracker.factor,
+            row_host_ms=self._row_host_ms(st.grammar[slots]),
         )
         return PricedView(view, ar_ms)
+
+    def _row_host_ms(self, grammar: np.ndarray) -> np.ndarray | None:
+        """[n] host ms per verified row: a grammar's mask for the requests that have one."""
+        if not grammar.any():
+            return None
+        return grammar * self.cost_model.profile.grammar_mask_ms_per_row
 
     def steady_view(self, round_id: int, cohort_changed: bool) -> DecodeView:
         """The view of the live batch as it will decode: every live request decoding, those
@@ -120,6 +127,7 @@ class PolicyViews:
             return out
 
         n = len(slots)
+        grammar = put(st.grammar[slots], [r.spec.sampling.grammar is not None for r in reqs])
         decoding = slots[st.decoding[slots]]
         kv = int(st.num_computed[decoding].sum()) + sum(r.num_prefill_target for r in reqs) + n
         ar_ms = self.cost_model.predict_ms_scalar(n, kv)
@@ -136,4 +144,5 @@ class PolicyViews:
             base_tokens=float(n),
             draining=False,
             rate_bar=self.rate_tracker.uplift * n / ar_ms,
+            row_host_ms=self._row_host_ms(grammar),
         )

@@ -14,6 +14,12 @@ import numpy as np
 from scheduler.cost_tables import SPEC_TABLE_DRAFTS, SPEC_TABLE_REQS, keyword_twin
 from scheduler.profile_tables import ProfileTables
 
+# Host time one more verified row of a grammar-constrained request adds to a round: its token
+# mask filled by the grammar library, uploaded and applied, measured on a CPU with a JSON schema
+# (docs/perf/structured-outputs.md). The policy charges it per draft row; the fixed part of a
+# round's masks is paid whether the request drafts or not.
+GRAMMAR_MASK_MS_PER_ROW = 0.027
+
 
 class ProfileCost(ProfileTables):
     """The uncorrected round prices of a profile JSON."""
@@ -21,6 +27,11 @@ class ProfileCost(ProfileTables):
     def bucket_index(self, num_rows, *, scalar=False):
         """Shape-bucket id of a row count (len(row_buckets) for eager shapes)."""
         return (self.scalars if scalar else self.arrays).shape_bucket(num_rows)
+
+    @property
+    def grammar_mask_ms_per_row(self) -> float:
+        """Host ms of one verified row's grammar mask (GRAMMAR_MASK_MS_PER_ROW)."""
+        return GRAMMAR_MASK_MS_PER_ROW
 
     def target_ms(self, num_rows):
         return self.target_curve(num_rows)

@@ -26,6 +26,7 @@ class SlotTable:
         self.mode_since = np.zeros(num_slots, dtype=np.int64)
         self.remaining = np.zeros(num_slots, dtype=np.int64)  # max_tokens - outputs
         self.spec_code = np.zeros(num_slots, dtype=np.int64)  # SPECULATION_CODE
+        self.grammar = np.zeros(num_slots, dtype=bool)  # output constrained by a grammar
         self.num_blocks = np.zeros(num_slots, dtype=np.int64)  # KV blocks the request holds
         self._order = np.zeros(0, dtype=np.int64)  # decoding slots in admission order
         self._order_stale = False
@@ -50,6 +51,7 @@ class SlotTable:
         self.mode_since[slot] = req.mode_since_round
         self.remaining[slot] = req.num_remaining
         self.spec_code[slot] = SPECULATION_CODE[req.spec.speculation]
+        self.grammar[slot] = req.spec.sampling.grammar is not None
         self.decoding[slot] = True
         self._order_stale = True
 

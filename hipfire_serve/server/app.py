@@ -1,7 +1,9 @@
 """The ASGI application: routes, auth, admission, and the drain on shutdown.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+POST /tokenize, POST /detokenize (`tokenization.py`), GET /version, GET /health, GET /metrics;
+all but the last three need the API key when keys are set. Errors use OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`.
 Order of checks for a generation request: draining (503) -> auth (401) -> body size (413) ->
 body shape and values (400) -> model name (404) -> context length (400) -> tenant's speculation
 modes (400) -> tenant rate limits (429) -> engine queue (503). A request whose engine is not
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import logging
 import os
 import time
@@ -20,7 +23,8 @@ from typing import Any
 
 import anyio
 
-from hipfire_serve.server import http
+from hipfire_serve.server import http, tokenization
+from hipfire_serve.server.chat_render import render_chat
 from hipfire_serve.server.config import ServerConfig
 from hipfire_serve.server.engine_client import EngineClient, EngineUnavailable
 from hipfire_serve.server.generate import Generation, GenerationPlan, TokenTexts
@@ -37,6 +41,7 @@ from hipfire_serve.server.protocol import (
     prompt_inputs,
     sampling_params,
 )
+from hipfire_serve.server.request_fields import check_request_fields, truncate_prompt
 from hipfire_serve.server.supervisor import EngineSupervisor
 from hipfire_serve.server.tenants import RateLimitExceeded, Tenant, TenantRegistry
 
@@ -54,15 +59,29 @@ _ROUTES = {
     "/v1/completions": "POST",
     "/v1/chat/completions": "POST",
     "/v1/models": "GET",
+    "/tokenize": "POST",
+    "/detokenize": "POST",
+    "/version": "GET",
     "/health": "GET",
     "/metrics": "GET",
 }
+MODEL_ROUTE = "/v1/models/"  # + a model id, which may hold slashes
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("hipfire-serve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _engine_errors() -> tuple[type, type]:
     from hipfire_serve.engine import ContextLengthError, QueueFullError
 
     return QueueFullError, ContextLengthError
+
+
+VERSION_BODY = http.encode({"version": server_version()})
 
 
 class App:
@@ -78,6 +97,7 @@ class App:
         metrics: ServerMetrics,
         num_slots: int | None = None,
         max_queue: int | None = None,
+        generation_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -89,6 +109,8 @@ class App:
         # The engine's slot pool and queue bound; None: requests are not checked against them.
         self.num_slots = num_slots
         self.max_queue = max_queue
+        # sampling defaults of requests that leave a field out (--generation-config)
+        self.generation_defaults = dict(generation_defaults or {})
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())
         self.draining = False
@@ -121,7 +143,7 @@ class App:
 
     async def _route(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope["path"].rstrip("/") or "/"
-        method = _ROUTES.get(path)
+        method = "GET" if path.startswith(MODEL_ROUTE) else _ROUTES.get(path)
         if method is None:
             return await http.send_error(send, 404, f"no route {scope['path']}")
         if scope["method"] != method:
@@ -138,16 +160,29 @@ class App:
                 return await http.send_bytes(
                     send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8"
                 )
+            if path == "/version":
+                return await http.send_bytes(send, 200, VERSION_BODY)
             tenant = self.tenants.authenticate(http.header(scope, b"authorization"))
             if tenant is None:
                 return await http.send_error(
                     send, 401, "missing or unknown API key", code="invalid_api_key"
                 )
+            card = ModelCard(
+                id=self.model_name, created=self.created, max_model_len=self.max_model_len
+            )
             if path == "/v1/models":
-                card = ModelCard(
-                    id=self.model_name, created=self.created, max_model_len=self.max_model_len
-                )
                 return await http.send_bytes(send, 200, http.encode(ModelList(data=[card])))
+            if path.startswith(MODEL_ROUTE):
+                if path[len(MODEL_ROUTE) :] != self.model_name:
+                    raise RequestError(
+                        f"The model {path[len(MODEL_ROUTE) :]!r} does not exist",
+                        "model",
+                        status=404,
+                        code="model_not_found",
+                    )
+                return await http.send_bytes(send, 200, http.encode(card))
+            if path in ("/tokenize", "/detokenize"):
+                return await self._tokenization(scope, receive, send, path)
             await self._generate(
                 scope, receive, send, tenant, chat=path.endswith("chat/completions")
             )
@@ -268,12 +303,31 @@ class App:
 
     async def _plan_request(self, body: bytes, tenant: Tenant, *, chat: bool) -> GenerationPlan:
         """`_plan`, on a worker thread for a large body (OFF_LOOP_BODY_BYTES)."""
+        return await self._sized(body, functools.partial(self._plan, body, tenant, chat=chat))
+
+    async def _sized(self, body: bytes, work: Callable[[], Any]) -> Any:
+        """`work()` on the loop for a small body, on a worker thread for a large one."""
         if len(body) < OFF_LOOP_BODY_BYTES:
-            return self._plan(body, tenant, chat=chat)
+            return work()
         if self._plan_limiter is None:
             self._plan_limiter = anyio.CapacityLimiter(OFF_LOOP_THREADS)
-        plan = functools.partial(self._plan, body, tenant, chat=chat)
-        return await anyio.to_thread.run_sync(plan, limiter=self._plan_limiter)
+        return await anyio.to_thread.run_sync(work, limiter=self._plan_limiter)
+
+    async def _tokenization(self, scope: dict, receive: Any, send: Any, path: str) -> None:
+        body = await http.read_body(scope, receive, self.config.max_body_bytes)
+        if path == "/tokenize":
+            work = functools.partial(
+                tokenization.tokenize,
+                body,
+                self.tokenizer,
+                model_name=self.model_name,
+                max_model_len=self.max_model_len,
+            )
+        else:
+            work = functools.partial(
+                tokenization.detokenize, body, self.tokenizer, model_name=self.model_name
+            )
+        await http.send_bytes(send, 200, await self._sized(body, work))
 
     def _plan(self, body: bytes, tenant: Tenant, *, chat: bool) -> GenerationPlan:
         """Decodes and checks a request body (RequestError on anything wrong)."""
@@ -289,16 +343,30 @@ class App:
             )
         if req.stream_options is not None and not req.stream:
             raise RequestError("stream_options is only allowed with stream=true", "stream_options")
+        check_request_fields(req)
+        chat_echo = ""
         if chat:
             messages = chat_messages(req.messages)
             try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                text = render_chat(
+                    self.tokenizer,
+                    messages,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    template_kwargs=req.chat_template_kwargs,
+                    reasoning_effort=req.reasoning_effort,
+                )
+            except RequestError:
+                raise
             except Exception as exc:
                 raise RequestError(
                     f"the chat template rejected the messages: {exc}", "messages"
                 ) from None
             prompts: list[str | list[int]] = [text]
             echo = False
+            # vLLM's chat echo: the reply repeats a last message of its own role
+            if req.echo and messages[-1]["role"] == "assistant":
+                chat_echo = messages[-1]["content"]
             if req.top_logprobs is not None and not req.logprobs:
                 raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
             if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -322,18 +390,29 @@ class App:
                     "echo",
                 )
         # Rendered chat text already carries its special tokens (BOS included when the template
-        # writes one), so it is encoded without adding them again.
+        # writes one), so chat adds none again unless asked (add_special_tokens, vLLM's).
         token_ids = [
-            self._encode(p, "messages" if chat else "prompt", add_special_tokens=not chat)
+            truncate_prompt(
+                self._encode(
+                    p, "messages" if chat else "prompt", add_special_tokens=req.add_special_tokens
+                ),
+                req.truncate_prompt_tokens,
+                self.max_model_len,
+            )
             for p in prompts
         ]
         longest = max(len(ids) for ids in token_ids)
         if max_tokens is None:
             # Chat without a limit: up to the end of the context, as OpenAI does.
             max_tokens = max(1, self.max_model_len - longest)
+        cap = self.generation_defaults.get("max_tokens")
+        if cap is not None:
+            max_tokens = min(max_tokens, cap)
         if max_tokens >= 1 and longest + max_tokens > self.max_model_len:
             raise _context_length_error(longest, max_tokens, self.max_model_len, chat)
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+        params = sampling_params(
+            req, max_tokens=max_tokens, logprobs=logprobs, defaults=self.generation_defaults
+        )
         if self.num_slots is not None and self.max_queue is not None:
             check_capacity(
                 len(token_ids), params.n, num_slots=self.num_slots, max_queue=self.max_queue
@@ -342,7 +421,7 @@ class App:
             params.speculation = tenant.speculation_mode(params.speculation)
         except ValueError as exc:
             raise RequestError(str(exc), "speculation") from None
-        echo_texts = [self._echo_text(p) if echo else "" for p in prompts]
+        echo_texts = [chat_echo] if chat else [self._echo_text(p) if echo else "" for p in prompts]
         charged = sum(len(ids) for ids in token_ids) + max_tokens * params.n * len(token_ids)
         return GenerationPlan(
             chat=chat,
@@ -353,6 +432,8 @@ class App:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             want_logprobs=logprobs is not None,
             max_tokens_charged=charged,
+            request_id=req.request_id,
+            tokens_as_ids=req.return_tokens_as_token_ids,
         )
 
     def _encode(

@@ -30,8 +30,8 @@ from hipfire_serve.config import EngineConfig, config_fields
 ENV_PREFIX = "HIPFIRE_"
 
 
-def _f(default, help_: str, **extra):
-    return field(default=default, metadata={"help": help_, **extra})
+def _f(default, help_: str, *, in_repr: bool = True, **extra):
+    return field(default=default, repr=in_repr, metadata={"help": help_, **extra})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +86,27 @@ class ServerConfig:
         "process loop: restarts of a dead or stalled engine allowed within 10 minutes; past "
         "them (and always with the thread loop) the server exits with status 1",
     )
+    # repr=False: a logged or printed config never shows the keys
+    api_key: tuple[str, ...] = _f(
+        (),
+        in_repr=False,
+        help_="API key(s) every route but /health, /metrics and /version requires as "
+        "'Authorization: Bearer KEY' (vLLM's flag; several may follow it). With --tenants they "
+        "belong to the tenant 'default' (the file's, or one without limits). The environment "
+        "variable takes a comma-separated list and keeps the keys out of the process list",
+    )
+    chat_template: str = _f(
+        "",
+        "chat template for the chat API and /tokenize: a Jinja file, or the template itself "
+        "inline (escapes such as \\n read as in Python); default: the model's",
+    )
+    generation_config: str = _f(
+        "auto",
+        "default sampling parameters of requests that leave them out (temperature, top_p, "
+        "top_k, min_p, repetition_penalty; max_new_tokens caps max_tokens), as vLLM reads "
+        "them: 'auto' from the model's generation_config.json, 'vllm' none, or a folder "
+        "holding a generation_config.json",
+    )
 
     def validate(self) -> None:
         """Raises ValueError with a one-line reason for a bad setting."""
@@ -116,6 +137,15 @@ class ServerConfig:
             raise ValueError(f"--engine-restarts must be >= 0, got {self.engine_restarts}")
         if self.tenants and not Path(self.tenants).is_file():
             raise ValueError(f"--tenants {self.tenants}: no such file")
+        if any(not key or any(c.isspace() for c in key) for key in self.api_key):
+            raise ValueError("--api-key: a key must be non-empty and hold no whitespace")
+        if self.generation_config not in ("auto", "vllm"):
+            folder = Path(self.generation_config)
+            if not (folder / "generation_config.json").is_file():
+                raise ValueError(
+                    f"--generation-config {folder}: no generation_config.json there "
+                    "(give 'auto', 'vllm' or a folder holding one)"
+                )
 
 
 CONFIG_CLASSES = (EngineConfig, ServerConfig)
@@ -138,6 +168,12 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
     """A TOML or environment value as the field's type; ValueError naming the source."""
     type_name = _type_name(f)
     try:
+        if type_name.startswith("tuple"):
+            # a TOML list or string; an environment value lists its items with commas
+            items = value.split(",") if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise ValueError
+            return tuple(i.strip() for i in items if i.strip())
         if type_name == "bool":
             if isinstance(value, bool):
                 return value
@@ -174,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--config", default=argparse.SUPPRESS, metavar="FILE", help="TOML file with settings"
     )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=argparse.SUPPRESS,
+        metavar="MODEL",
+        help="model directory, as `vllm serve MODEL` takes it: the same as --model (put it "
+        "first: a flag taking several values, such as --api-key, would take it too)",
+    )
     for cls in CONFIG_CLASSES:
         group = parser.add_argument_group(f"{cls.__name__} options")
         for f in config_fields(cls):
@@ -184,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
             type_name = _type_name(f)
             if type_name == "bool":
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif type_name.startswith("tuple"):
+                kwargs.update(nargs="+", action="extend", metavar=f.name.upper())
             else:
                 kwargs["type"] = {"int": int, "float": float}.get(type_name, str)
                 kwargs["metavar"] = f.name.upper() if not choices else None
@@ -219,6 +265,12 @@ def resolve(
     environ = os.environ if environ is None else environ
     fields = _all_fields()
     args = vars(build_parser().parse_args(argv))
+    model_tag = args.pop("model_tag", None)
+    if model_tag is not None and args.setdefault("model", model_tag) != model_tag:
+        raise ValueError(
+            f"the model is given twice ({model_tag!r} and --model {args['model']!r}): give one"
+        )
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in args.items()}
     config_path = args.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
     settings: dict[str, Any] = {}
     if config_path:

@@ -55,6 +55,8 @@ class GenerationPlan:
     include_usage: bool
     want_logprobs: bool
     max_tokens_charged: int  # tokens charged to the tenant's tokens/min bucket
+    request_id: str | None = None  # the client's (vLLM's field): the response id's tail
+    tokens_as_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's field)
 
 
 @dataclass
@@ -99,6 +101,10 @@ class TokenTexts:
         return text
 
 
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
 class Generation:
     def __init__(
         self,
@@ -124,10 +130,12 @@ class Generation:
         self.on_tokens_unused = on_tokens_unused
         self.retry_after_s = retry_after_s
         prefix = "chatcmpl-" if plan.chat else "cmpl-"
-        self.id = prefix + uuid.uuid4().hex
+        unique = uuid.uuid4().hex
+        self.id = prefix + (plan.request_id or unique)
         self.created = int(time.time())
         n = plan.params.n
-        self.engine_ids = [f"{self.id}-{i}" for i in range(len(plan.prompt_token_ids))]
+        # engine ids stay unique whatever id the client chose
+        self.engine_ids = [f"{prefix}{unique}-{i}" for i in range(len(plan.prompt_token_ids))]
         self._prompt_of_engine_id = {rid: i for i, rid in enumerate(self.engine_ids)}
         self.choices = [_Choice(index=i) for i in range(len(self.engine_ids) * n)]
         for choice in self.choices:
@@ -231,7 +239,7 @@ class Generation:
         return num_new
 
     def _absorb_logprobs(self, choice: _Choice, logprobs: list[Any]) -> None:
-        texts = self.token_texts
+        texts = _token_id_text if self.plan.tokens_as_ids else self.token_texts
         offset = choice.text_len
         for lp in logprobs:
             token = texts(lp.token_id)
@@ -324,7 +332,9 @@ class Generation:
             chat_choices = [
                 ChatChoice(
                     index=c.index,
-                    message=AssistantMessage(content="".join(c.text_parts)),
+                    message=AssistantMessage(
+                        content=self.plan.echo_texts[c.index // n] + "".join(c.text_parts)
+                    ),
                     logprobs=ChatLogprobs(content=c.chat_lps) if self.plan.want_logprobs else None,
                     finish_reason=c.finish_reason,
                 )
@@ -405,12 +415,14 @@ class Generation:
             )
 
     def _opening_chunks(self) -> bytes:
-        """Chat: the assistant role per choice. Completions with echo: the prompt text."""
+        """Chat: the assistant role per choice (and the echoed last message). Completions with
+        echo: the prompt text."""
         parts = []
         n = self.plan.params.n
         for c in self.choices:
             if self.plan.chat:
-                chunk = self._chat_chunk(c.index, ChatDelta(role="assistant", content=""))
+                echo = self.plan.echo_texts[c.index // n]
+                chunk = self._chat_chunk(c.index, ChatDelta(role="assistant", content=echo))
             elif self.plan.echo_texts[c.index // n]:
                 chunk = self._completion_chunk(c.index, self.plan.echo_texts[c.index // n])
             else:

@@ -27,8 +27,13 @@ from hipfire_serve.server.config import ServerConfig, resolve
 from hipfire_serve.server.engine_client import EngineClient
 from hipfire_serve.server.http import JsonErrorHttpToolsProtocol, redact_access_log
 from hipfire_serve.server.metrics import ServerMetrics
+from hipfire_serve.server.model_overrides import (
+    generation_defaults,
+    load_chat_template,
+    model_dir,
+)
 from hipfire_serve.server.supervisor import EngineSupervisor
-from hipfire_serve.server.tenants import Tenant, TenantRegistry, load_tenants
+from hipfire_serve.server.tenants import Tenant, TenantRegistry, load_tenants, with_api_keys
 
 logger = logging.getLogger("hipfire_serve.server")
 
@@ -103,8 +108,19 @@ def build_server(
 ) -> Built:
     """Wires an engine into the app and a uvicorn server (not started). `engine` is an `Engine`
     (driven from a thread) or a `ProcessEngine` (already running in its child process).
-    `tenants=None`: open access."""
+    `tenants=None` and no `--api-key`: open access. ValueError on a bad `--chat-template`,
+    `--generation-config` or key."""
     model_name = server_config.served_model_name or engine.model_name
+    file_tenants = tenants
+    tenants = with_api_keys(tenants, server_config.api_key)
+    tokenizer = engine.tokenizer
+    template = load_chat_template(server_config.chat_template)
+    if template is not None:
+        # the server renders every chat; the engine never does, so its tokenizer stays as is
+        tokenizer = tokenizer.with_chat_template(template)
+    defaults = generation_defaults(server_config.generation_config, model_dir(engine_config))
+    if defaults:
+        logger.info("default sampling parameters from the generation config: %s", defaults)
     metrics = ServerMetrics(
         model_name,
         vllm_compat=server_config.metrics_compat == "vllm",
@@ -115,7 +131,7 @@ def build_server(
     engine_loop.on_round = metrics.observe_engine
     app = App(
         engine_loop,
-        tokenizer=engine.tokenizer,
+        tokenizer=tokenizer,
         model_name=model_name,
         max_model_len=engine.max_model_len,
         config=server_config,
@@ -123,6 +139,7 @@ def build_server(
         metrics=metrics,
         num_slots=engine_config.max_concurrency,
         max_queue=engine_config.max_queue,
+        generation_defaults=defaults,
     )
     uv_config = uvicorn.Config(
         app,
@@ -137,11 +154,14 @@ def build_server(
         h11_max_incomplete_event_size=server_config.max_body_bytes,
     )
     redact_access_log()  # after uvicorn.Config, which configures logging
-    access = (
-        f"{len(tenants)} tenant(s) from {server_config.tenants}"
-        if tenants is not None
-        else "open access (no --tenants file: any API key is accepted)"
-    )
+    num_keys = len(set(server_config.api_key))
+    if file_tenants is not None:
+        access = f"{len(file_tenants)} tenant(s) from {server_config.tenants or 'the caller'}"
+        access += f" and {num_keys} --api-key key(s) as tenant 'default'" if num_keys else ""
+    elif num_keys:
+        access = f"{num_keys} API key(s) (--api-key)"
+    else:
+        access = "open access (no --tenants file or --api-key: any API key is accepted)"
     host = server_config.host
     url_host = f"[{host}]" if ":" in host else host
     line = (
@@ -167,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine_config, server_config = resolve(argv)
         tenants = load_tenants(server_config.tenants) if server_config.tenants else None
+        # checked before the model loads, so that a typo costs no start-up
+        with_api_keys(tenants, server_config.api_key)
+        load_chat_template(server_config.chat_template)
+        generation_defaults(server_config.generation_config, model_dir(engine_config))
     except ValueError as exc:
         print(f"hipfire-serve serve: {exc}", file=sys.stderr)
         return 2

@@ -12,11 +12,13 @@ Response Structs carry every key OpenAI's OpenAPI spec requires, `null` where it
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
 
-from hipfire_serve.types import SPECULATION_CHOICES, SamplingParams
+from hipfire_serve.types import SPECULATION_CHOICES, SamplingParams, StructuredOutputsParams
 
 # n > 1 fans out inside the engine; a bound keeps one request from filling the slot pool.
 MAX_N = 64
@@ -73,6 +75,33 @@ class StreamOptions(_NullIsDefault, kw_only=True):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(_NullIsDefault, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None  # the schema is enforced whatever it says
+
+
+class ResponseFormat(_NullIsDefault, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_NullIsDefault, kw_only=True):
+    """vLLM's `structured_outputs`; the options typed Any are refused unless at their default."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+    whitespace_pattern: Any = None
+    disable_any_whitespace: Any = None
+    disable_additional_properties: Any = None
+    disable_fallback: Any = None  # accepted: there is one grammar library, nothing to fall to
+
+
 class _SamplingFields(_NullIsDefault, kw_only=True):
     """Fields shared by both endpoints (OpenAI names plus vLLM's extensions)."""
 
@@ -96,6 +125,35 @@ class _SamplingFields(_NullIsDefault, kw_only=True):
     user: str | None = None
     speculation: str | None = "auto"
     cache_salt: str | None = None  # vLLM's: prefix-cache isolation finer than the tenant's
+    # output constraints (see `structured_outputs`) and OpenAI's logit_bias
+    logit_bias: dict[str, float] | None = None  # token ids as JSON keys: strings
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: Any = None
+    # vLLM's extras (request_fields.py checks them and the ones served only at their neutral
+    # value, typed Any so that any value reaches that check)
+    best_of: int | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    truncate_prompt_tokens: int | None = None
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = False
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    prompt_logprobs: Any = None
+    prompt_embeds: Any = None
+    return_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    priority: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -105,6 +163,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
+    add_special_tokens: bool | None = True
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -123,6 +182,24 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    reasoning_effort: str | None = None
+    # vLLM's chat extras
+    echo: bool | None = False
+    add_special_tokens: bool | None = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's and vLLM's fields served only at their neutral value (request_fields.py)
+    audio: Any = None
+    modalities: Any = None
+    functions: Any = None
+    function_call: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+    documents: Any = None
 
 
 _PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
@@ -197,14 +274,19 @@ def chat_messages(messages: list[ChatMessage] | None) -> list[dict[str, str]]:
     return out
 
 
+_NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
+
+
 def sampling_params(
     req: CompletionRequest | ChatCompletionRequest,
     *,
     max_tokens: int,
     logprobs: int | None,
+    defaults: Mapping[str, Any] = _NO_DEFAULTS,
 ) -> SamplingParams:
     """The request's sampling fields as SamplingParams, range-checked (RequestError naming
-    the field). `max_tokens` and `logprobs` are resolved by the endpoint (they differ)."""
+    the field). `max_tokens` and `logprobs` are resolved by the endpoint (they differ);
+    `defaults` fills the optional sampling fields the request leaves out."""
     if not 1 <= req.n <= MAX_N:
         raise RequestError(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     if req.speculation not in SPECULATION_CHOICES:
@@ -228,6 +310,8 @@ def sampling_params(
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
     }
+    # a field the request leaves out takes the server's default (--generation-config)
+    optional = {k: defaults.get(k) if v is None else v for k, v in optional.items()}
     params = SamplingParams(
         n=req.n,
         max_tokens=max_tokens,
@@ -237,8 +321,12 @@ def sampling_params(
         stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
         speculation=req.speculation,
         cache_salt=req.cache_salt,
+        logit_bias=_logit_bias(req.logit_bias),
+        structured_outputs=structured_outputs(req),
         **{k: v for k, v in optional.items() if v is not None},
     )
     try:
@@ -247,6 +335,75 @@ def sampling_params(
         message = str(exc)
         raise RequestError(message, message.split(" ", 1)[0]) from None
     return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys (token ids as strings) as ints; RequestError otherwise."""
+    if bias is None:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        bad = next(t for t in bias if not t.strip().lstrip("-").isdigit())
+        message = f"logit_bias keys must be token ids, got {bad!r}"
+        raise RequestError(message, "logit_bias") from None
+
+
+_UNSUPPORTED_OPTIONS = (
+    "structural_tag",
+    "whitespace_pattern",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+)
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"))
+
+
+def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever field sets it: OpenAI's
+    `response_format`, vLLM's `structured_outputs` or its older `guided_*` fields. RequestError
+    naming the field for an unsupported option or a second constraint."""
+    found: list[StructuredOutputsParams] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(StructuredOutputsParams(json_object=True, source_field="response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        where = "response_format.json_schema.schema"
+        if rf.json_schema is None or rf.json_schema.schema is None:
+            raise RequestError(f"{where} is required with type json_schema", where)
+        found.append(StructuredOutputsParams(json=rf.json_schema.schema, source_field=where))
+    elif rf is not None and rf.type != "text":
+        raise RequestError(
+            f"response_format.type must be text, json_object or json_schema, got {rf.type!r}",
+            "response_format.type",
+        )
+    so = req.structured_outputs
+    if so is not None:
+        for name in _UNSUPPORTED_OPTIONS:
+            if getattr(so, name) not in (None, False):
+                where = f"structured_outputs.{name}"
+                raise RequestError(f"{where} is not supported", where)
+        found.append(
+            StructuredOutputsParams(
+                json=so.json,
+                regex=so.regex,
+                choice=so.choice,
+                grammar=so.grammar,
+                json_object=bool(so.json_object),
+            )
+        )
+    for name, kind in (*_GUIDED, ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append(StructuredOutputsParams(**{kind: value}, source_field=name))
+    if req.guided_whitespace_pattern is not None:
+        where = "guided_whitespace_pattern"
+        raise RequestError(f"{where} is not supported", where)
+    if len(found) > 1:
+        raise RequestError(
+            f"{found[1].field} and {found[0].field} both constrain the output; send one",
+            found[1].field,
+        )
+    return found[0] if found else None
 
 
 def check_capacity(num_prompts: int, n: int, *, num_slots: int, max_queue: int) -> None:

@@ -16,6 +16,7 @@ a request's `Authorization: Bearer <key>` is hashed and looked up.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import re
@@ -159,6 +160,26 @@ def _tenant_from_entry(entry: dict, where: str) -> Tenant:
         tokens_per_minute=float(numbers["tokens_per_minute"][0]),
         speculation=tuple(dict.fromkeys(modes)),
     )
+
+
+def with_api_keys(tenants: Sequence[Tenant] | None, api_keys: Sequence[str]) -> list[Tenant] | None:
+    """The tenants once `--api-key` keys join them: the keys belong to the tenant `default`,
+    the tenants file's own if it names one (its limits and weight apply), else a new one with
+    none. Without keys the tenants are unchanged (None: open access). ValueError when a key
+    is also a file tenant's: a request must map to one tenant."""
+    if not api_keys:
+        return None if tenants is None else list(tenants)
+    digests = tuple(dict.fromkeys(hash_key(key) for key in api_keys))
+    tenants = list(tenants or ())
+    for tenant in tenants:
+        if tenant.name != DEFAULT_TENANT and set(digests) & set(tenant.api_key_sha256):
+            raise ValueError(f"--api-key: a key is also tenant {tenant.name!r}'s in --tenants")
+    for i, tenant in enumerate(tenants):
+        if tenant.name == DEFAULT_TENANT:
+            keys = tuple(dict.fromkeys((*tenant.api_key_sha256, *digests)))
+            tenants[i] = dataclasses.replace(tenant, api_key_sha256=keys)
+            return tenants
+    return [*tenants, Tenant(name=DEFAULT_TENANT, api_key_sha256=digests)]
 
 
 def load_tenants(path: str | Path) -> list[Tenant]:
