@@ -58,6 +58,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "skinny linear layer vs cuBLAS, config sweep",
     ),
+    "peer-vllm": ("loadtests.lab.peer.main", "main", "side by side with vLLM: same shape, prompts"),
     "pdl": ("loadtests.lab.kernels.pdl", "main", "programmatic dependent launch on graphed decode"),
 }
 
