@@ -176,6 +176,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         if config.kv_cache_memory == "auto"
         else parse_bytes(config.kv_cache_memory)
     )
+    if getattr(target, "is_hybrid", False):
+        # a hybrid target's per-slot recurrent state comes out of the same budget
+        from executor.recurrent_state import RecurrentStates
+
+        state = RecurrentStates.bytes_per_slot(target.config, target.dtype.itemsize)
+        budget -= state * config.max_concurrency
+        if budget <= 0:
+            raise ValueError(
+                f"--kv-cache-memory does not hold the recurrent state of {config.max_concurrency} "
+                f"slots ({state * config.max_concurrency} bytes): raise it or lower "
+                "--max-concurrency"
+            )
     configs = [target.config]
     if isinstance(draft_model, BlockDraftModel):
         configs.append(draft_model.config.decoder)
