@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from hipfire_serve.types import CompletionOutput, RequestOutput, SamplingParams
+from hipfire_serve.types import (
+    CompletionOutput,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):
