@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from hipfire_serve.demo.model import DemoCausalLM, RMSNorm, rope_cos_sin
+from hipfire_serve.demo.model import MLP, DemoCausalLM, RMSNorm, rope_cos_sin
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -156,22 +156,11 @@ class BlockAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(num, rows, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, shape: BlockDrafterShape):
-        super().__init__()
-        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class BlockLayer(nn.Module):
     def __init__(self, shape: BlockDrafterShape):
         super().__init__()
         self.self_attn = BlockAttention(shape)
-        self.mlp = MLP(shape)
+        self.mlp = MLP(shape.hidden_size, shape.intermediate_size)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
