@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-ENGINES = ("hipfire", "vllm")
-WORKLOADS = ("wave", "chat")
+# "hipfire-nocache" is this engine with prefix caching off whatever `prefix_caching` says: the
+# baseline of a multi-turn call
+ENGINES = ("hipfire", "vllm", "hipfire-nocache")
+WORKLOADS = ("wave", "chat", "multiturn")
 
 
 @dataclass(frozen=True)
@@ -15,8 +17,8 @@ class PeerConfig:
     """One call: the model, the engines and workloads, the concurrency grid and the budget."""
 
     model: str = "random:qwen3-8b"  # 'random:NAME' (a real shape, random weights) or a directory
-    engines: tuple[str, ...] = ENGINES
-    workloads: tuple[str, ...] = WORKLOADS
+    engines: tuple[str, ...] = ("hipfire", "vllm")
+    workloads: tuple[str, ...] = ("wave", "chat")
     concurrency: tuple[int, ...] = (1, 4, 16, 32, 64, 128, 256)
     # wave: C requests at once, prompts uniform in [min, max] tokens, 1 + decode_tokens outputs
     wave_prompt_len: tuple[int, int] = (512, 1536)
@@ -27,6 +29,16 @@ class PeerConfig:
     chat_output_len: tuple[int, float, int, int] = (192, 0.7, 16, 1024)
     chat_waves: int = 2  # requests per C: max(chat_waves * C, chat_min_requests)
     chat_min_requests: int = 8
+    # multiturn: C conversations live, each `mt_turns` turns over one shared system prompt;
+    # turn t's prompt is the system prompt, the earlier turns (user + assistant) and its user
+    # message; a conversation's next turn is sent when its reply is done
+    mt_system_len: int = 2048
+    mt_turns: int = 4
+    mt_user_len: tuple[int, float, int, int] = (128, 0.5, 16, 512)
+    mt_output_len: tuple[int, float, int, int] = (128, 0.5, 16, 384)
+    mt_waves: int = 2  # conversations per C: max(mt_waves * C, mt_min_conversations)
+    mt_min_conversations: int = 8
+    prefix_caching: bool = False  # both engines' automatic prefix caching
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"  # 'auto': the shape's own
@@ -43,7 +55,14 @@ class PeerConfig:
             self.wave_prompt_len[1] + 1 + self.decode_tokens,
             self.chat_prompt_len[3] + self.chat_output_len[3],
         )
+        if "multiturn" in self.workloads:
+            need = max(need, self.mt_system_len + self.mt_turns * self.mt_turn_max)
         return (need // 16 + 1) * 16
+
+    @property
+    def mt_turn_max(self) -> int:
+        """The most tokens one turn adds to a conversation (user message and reply)."""
+        return self.mt_user_len[3] + self.mt_output_len[3]
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -67,6 +86,8 @@ class PeerConfig:
         lo, hi = self.wave_prompt_len
         if not 1 <= lo <= hi:
             raise ValueError(f"--wave-prompt-len needs 1 <= min <= max, got {lo},{hi}")
+        if self.mt_turns < 1 or self.mt_system_len < 0 or self.mt_waves < 1:
+            raise ValueError("--mt-turns and --mt-waves must be >= 1, --mt-system-len >= 0")
 
 
 QUICK = PeerConfig(
@@ -80,6 +101,12 @@ QUICK = PeerConfig(
     chat_output_len=(6, 0.5, 2, 12),
     chat_waves=2,
     chat_min_requests=3,
+    mt_system_len=48,
+    mt_turns=3,
+    mt_user_len=(8, 0.5, 2, 16),
+    mt_output_len=(4, 0.5, 2, 8),
+    mt_waves=1,
+    mt_min_conversations=3,
     device="cpu",
     hipfire_graphs="off",
     time_budget_s=120.0,

@@ -9,7 +9,10 @@ wave at C (`repeats` times each, the best kept):
 chat at C: requests kept C live through the engine's own add/step loop; output tok/s = all
 output tokens over the run's wall time (drain included); TTFT = first token's arrival after the
 request's add; ITL = gaps between a request's later arrivals (a step bringing k tokens: k gaps
-of 1/k of it). Arrivals are host times of the step outputs in this process, for both engines."""
+of 1/k of it). multiturn at C: the same loop over conversations, a turn sent when the one
+before it is done, TTFT also split into first and later turns (the later ones are where a
+prefix cache pays). Arrivals are host times of the step outputs in this process, for both
+engines."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from loadtests.lab.peer.config import PeerConfig
-from loadtests.lab.peer.workloads import chat_requests, wave_prompts
+from loadtests.lab.peer.workloads import chat_requests, multiturn_requests, wave_prompts
 from loadtests.stats import summarize
 
 # A chat run whose engine emits no token for this long is stuck; it is stopped with an error.
@@ -33,6 +36,9 @@ FIT_MARGIN = 1.2
 
 
 class Backend(Protocol):
+    """An engine's offline loop; it may also have `cache_counts() -> (queries, hits)`, the
+    prefix cache's token counters so far."""
+
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         """Runs all prompts greedily, ignoring EOS; the output length of each."""
 
@@ -68,59 +74,103 @@ def wave_point(backend: Backend, cfg: PeerConfig, c: int, vocab: int) -> dict:
     }
 
 
-def chat_point(backend: Backend, cfg: PeerConfig, c: int, vocab: int) -> dict:
-    requests = chat_requests(cfg, c, vocab)
-    pending = deque(enumerate(requests))
-    want: dict[str, int] = {}
-    arrival: dict[str, float] = {}
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    got: dict[str, int] = {}
-    itl: list[float] = []
-    tpot: list[float] = []
-    live: set[str] = set()
+class _LiveRun:
+    """Arrival, first- and last-token times and token counts of the requests of a live run."""
+
+    def __init__(self) -> None:
+        self.want: dict[str, int] = {}
+        self.arrival: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.got: dict[str, int] = {}
+        self.itl: list[float] = []
+        self.tpot: list[float] = []
+
+    def summary(self, c: int, requests: list[tuple[list[int], int]], wall: float) -> dict:
+        num_out = sum(self.got.values())
+        return {
+            "C": c,
+            "num_requests": len(requests),
+            "prompt_tokens": sum(len(p) for p, _ in requests),
+            "output_tokens": num_out,
+            "wall_s": wall,
+            "output_tok_s": num_out / wall,
+            "requests_per_s": len(requests) / wall,
+            "ttft": summarize(arrival_gaps(self.first, self.arrival)),
+            "itl": summarize(self.itl),
+            "tpot": summarize(self.tpot),
+        }
+
+
+def live_run(
+    backend: Backend, c: int, conversations: list[list[tuple[list[int], int]]], tag: str
+) -> tuple[_LiveRun, float]:
+    """Keeps `c` conversations live until all are done: a conversation's requests go one after
+    the other (the next when the one before finishes), a finished conversation is replaced by
+    the next at once. Returns the run's times and its wall time."""
+    pending = deque(enumerate(conversations))
+    run = _LiveRun()
+    live: dict[str, tuple[int, int]] = {}  # req_id -> (conversation, turn)
+
+    def send(conv: int, turn: int) -> None:
+        prompt, max_tokens = conversations[conv][turn]
+        rid = f"{tag}-{c}-{conv}" + (f"-{turn}" if len(conversations[conv]) > 1 else "")
+        run.want[rid], run.got[rid] = max_tokens, 0
+        run.arrival[rid] = time.perf_counter()
+        backend.add(rid, prompt, max_tokens)
+        live[rid] = (conv, turn)
+
     t0 = t_token = time.perf_counter()
     while pending or live:
         while pending and len(live) < c:
-            i, (prompt, max_tokens) = pending.popleft()
-            rid = f"chat-{c}-{i}"
-            want[rid], got[rid] = max_tokens, 0
-            arrival[rid] = time.perf_counter()
-            backend.add(rid, prompt, max_tokens)
-            live.add(rid)
+            send(pending.popleft()[0], 0)
         outs = backend.step()
         now = time.perf_counter()
         for rid, num, finished in outs:
             if num:
                 t_token = now
-                if got[rid]:
-                    itl.extend([(now - last[rid]) / num] * num)
+                if run.got[rid]:
+                    run.itl.extend([(now - run.last[rid]) / num] * num)
                 else:
-                    first[rid] = now
-                got[rid] += num
-                last[rid] = now
+                    run.first[rid] = now
+                run.got[rid] += num
+                run.last[rid] = now
             if finished:
-                live.discard(rid)
-                if got[rid] != want[rid]:
-                    raise RuntimeError(f"short output: {got[rid]} of {want[rid]} tokens")
-                if got[rid] > 1:
-                    tpot.append((last[rid] - first[rid]) / (got[rid] - 1))
+                conv, turn = live.pop(rid)
+                if run.got[rid] != run.want[rid]:
+                    raise RuntimeError(f"short output: {run.got[rid]} of {run.want[rid]} tokens")
+                if run.got[rid] > 1:
+                    run.tpot.append((run.last[rid] - run.first[rid]) / (run.got[rid] - 1))
+                if turn + 1 < len(conversations[conv]):
+                    send(conv, turn + 1)
         if now - t_token > STALL_S:
             raise RuntimeError(f"no token for {STALL_S:.0f} s with {len(live)} requests live")
-    wall = time.perf_counter() - t0
-    num_out = sum(got.values())
-    return {
-        "C": c,
-        "num_requests": len(requests),
-        "prompt_tokens": sum(len(p) for p, _ in requests),
-        "output_tokens": num_out,
-        "wall_s": wall,
-        "output_tok_s": num_out / wall,
-        "requests_per_s": len(requests) / wall,
-        "ttft": summarize(arrival_gaps(first, arrival)),
-        "itl": summarize(itl),
-        "tpot": summarize(tpot),
-    }
+    return run, time.perf_counter() - t0
+
+
+def chat_point(backend: Backend, cfg: PeerConfig, c: int, vocab: int) -> dict:
+    requests = chat_requests(cfg, c, vocab)
+    run, wall = live_run(backend, c, [[r] for r in requests], "chat")
+    return run.summary(c, requests, wall)
+
+
+def multiturn_point(backend: Backend, cfg: PeerConfig, c: int, vocab: int) -> dict:
+    conversations = multiturn_requests(cfg, c, vocab)
+    counts = getattr(backend, "cache_counts", None)
+    before = counts() if counts else None
+    run, wall = live_run(backend, c, conversations, "mt")
+    requests = [r for conv in conversations for r in conv]
+    point = run.summary(c, requests, wall)
+    later = {rid for rid in run.first if not rid.endswith("-0")}
+    point["num_conversations"] = len(conversations)
+    point["ttft_first_turn"] = summarize(
+        [run.first[r] - run.arrival[r] for r in run.first if r not in later]
+    )
+    point["ttft_later_turns"] = summarize([run.first[r] - run.arrival[r] for r in later])
+    if before is not None:
+        queries, hits = (a - b for a, b in zip(counts(), before))
+        point["prefix_cache"] = {"queries": queries, "hits": hits}
+    return point
 
 
 def arrival_gaps(first: dict[str, float], arrival: dict[str, float]) -> list[float]:
@@ -130,6 +180,7 @@ def arrival_gaps(first: dict[str, float], arrival: dict[str, float]) -> list[flo
 POINTS: dict[str, Callable[[Backend, PeerConfig, int, int], dict]] = {
     "wave": wave_point,
     "chat": chat_point,
+    "multiturn": multiturn_point,
 }
 
 
@@ -152,6 +203,7 @@ def warm_chat(backend: Backend, cfg: PeerConfig, vocab: int) -> None:
 WARM_UPS: dict[str, Callable[[Backend, PeerConfig, int], None]] = {
     "wave": warm_wave,
     "chat": warm_chat,
+    "multiturn": warm_chat,
 }
 
 

@@ -1,5 +1,5 @@
 """This engine in its own process: `python -m loadtests.lab.peer.hipfire_child SPEC OUT`. Plain
-decoding (no drafter, every round AR), no prefix caching, greedy, EOS ignored."""
+decoding (no drafter, every round AR), greedy, EOS ignored; prefix caching as the spec says."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ class HipfireBackend:
     def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
         self.engine.add_request(req_id, prompt, self._sampling(max_tokens))
 
+    def cache_counts(self) -> tuple[int, int]:
+        """(context tokens looked up in the prefix cache, tokens found there) so far."""
+        c = self.engine.scheduler.prefix_cache.counters
+        return sum(c.queries.values()), sum(c.hits.values())
+
     def step(self) -> list[tuple[str, int, bool]]:
         # the engine's outputs carry each step's new tokens only
         return [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in self.engine.step()]
@@ -44,7 +49,7 @@ def build(spec: dict, result: dict) -> tuple[HipfireBackend, int]:
         spec_mode="ar",
         max_concurrency=max(cfg.concurrency),
         max_model_len=cfg.max_model_len,
-        enable_prefix_caching=False,
+        enable_prefix_caching=bool(spec.get("prefix_caching")),
         graphs=cfg.hipfire_graphs,
         device=cfg.device,
         dtype=spec["dtype"],

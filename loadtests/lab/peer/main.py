@@ -49,7 +49,7 @@ caching, the largest C as their request capacity, the same context length; other
 its defaults (vLLM's FlashAttention, torch.compile, CUDA graphs captured at start-up and
 chunked prefill; this engine's graphs captured at first use, which the warm-ups and the best of
 --repeats keep out of the wave's figures). The figures are defined in loadtests/lab/peer/
-drive.py, the roofline in roofline.py. Writes peer-vllm.md, .json and .png to --out.
+drive.py, the roofline in roofline.py. Writes peer-vllm.md, .json and .png (or --name's) to --out.
 """
 
 
@@ -71,6 +71,12 @@ def _lognormal(text: str) -> tuple[int, float, int, int]:
     return int(parts[0]), parts[1], int(parts[2]), int(parts[3])
 
 
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise ValueError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
 # flag -> (PeerConfig field, parser, help); every flag defaults to the preset's value
 FLAGS = {
     "--model": ("model", str, "'random:NAME' (random weights of a real shape) or a directory"),
@@ -84,6 +90,13 @@ FLAGS = {
     "--chat-output-len": ("chat_output_len", _lognormal, "chat outputs MEDIAN,SIGMA,LO,HI"),
     "--chat-waves": ("chat_waves", int, "chat requests per C: max(waves x C, min)"),
     "--chat-min-requests": ("chat_min_requests", int, "chat requests per C at least"),
+    "--mt-system-len": ("mt_system_len", int, "multiturn shared system prompt tokens"),
+    "--mt-turns": ("mt_turns", int, "multiturn turns per conversation"),
+    "--mt-user-len": ("mt_user_len", _lognormal, "multiturn user messages MEDIAN,SIGMA,LO,HI"),
+    "--mt-output-len": ("mt_output_len", _lognormal, "multiturn replies MEDIAN,SIGMA,LO,HI"),
+    "--mt-waves": ("mt_waves", int, "multiturn conversations per C: max(waves x C, min)"),
+    "--mt-min-conversations": ("mt_min_conversations", int, "multiturn conversations at least"),
+    "--prefix-caching": ("prefix_caching", _on_off, "both engines' prefix caching: on or off"),
     "--seed": ("seed", int, "seed of the prompts and lengths"),
     "--device": ("device", str, "torch device of this engine ('auto', 'cuda', 'cpu')"),
     "--dtype": ("dtype", str, "weights dtype of both ('auto': the shape's)"),
@@ -114,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--commit", default="", help="the commit to record (default: git's HEAD)")
     ap.add_argument(
+        "--name",
+        default="peer-vllm",
+        help="the record's file names: NAME.md, .json and .png (default peer-vllm)",
+    )
+    ap.add_argument(
         "--merge",
         nargs="+",
         metavar="JSON",
@@ -123,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (name, _, help_) in FLAGS.items():
         default = getattr(PeerConfig, name)
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        shown = ("on" if shown else "off") if isinstance(default, bool) else shown
         ap.add_argument(flag, default=None, help=f"{help_} (default {shown})")
     return ap
 
@@ -191,8 +210,9 @@ def measure_ceilings(cfg: PeerConfig, tmp: Path) -> dict:
 def run_engine(engine: str, spec: dict, tmp: Path, vllm_pythonpath: str) -> dict:
     spec_path, out = tmp / f"spec-{engine}.json", tmp / f"result-{engine}.json"
     spec_path.write_text(json.dumps(spec))
-    module = f"loadtests.lab.peer.{engine}_child"
-    env = child_env(engine, vllm_pythonpath)
+    base = engine.split("-")[0]  # hipfire-nocache runs hipfire's child
+    module = f"loadtests.lab.peer.{base}_child"
+    env = child_env(base, vllm_pythonpath)
     status = run_child(module, [str(spec_path), str(out)], env, spec["deadline"])
     return read_result(out, engine, status)
 
@@ -263,6 +283,7 @@ def measure(cfg: PeerConfig, args: argparse.Namespace, t_start: float, save) -> 
                 "vocab_size": shape.vocab_size,
                 "vllm_model": str(vllm_model.resolve()),
                 "random_weights": random_weights,
+                "prefix_caching": cfg.prefix_caching and engine != "hipfire-nocache",
             }
             _log(t_start, f"{engine}: starting, {share:.0f} s to its deadline")
             res = results[engine] = run_engine(engine, spec, tmp, args.vllm_pythonpath)
@@ -289,11 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"{PROG}: {e}", file=sys.stderr)
             return 2
-        record = measure(cfg, args, t_start, lambda rec: write_outputs(rec, out))
+        record = measure(cfg, args, t_start, lambda rec: write_outputs(rec, out, args.name))
         if record is None:
             return 2
     print(summary_table(record))
-    paths = write_outputs(record, out)
+    paths = write_outputs(record, out, args.name)
     _log(t_start, f"wrote {', '.join(p.name for p in paths)} to {out}")
     failed = [name for name, res in record["engines"].items() if res.get("error")]
     return 1 if failed else 0

@@ -11,24 +11,42 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-STYLE = {"hipfire": ("C0", "hipfire-serve"), "vllm": ("C1", "vLLM")}
+STYLE = {
+    "hipfire": ("C0", "hipfire-serve"),
+    "vllm": ("C1", "vLLM"),
+    "hipfire-nocache": ("C2", "hipfire-serve, no prefix cache"),
+}
 PANELS = (
     ("wave", "decode_tok_s", "wave decode tokens/s"),
     ("wave", "step_ms", "wave decode step ms"),
     ("chat", "output_tok_s", "chat-like output tokens/s"),
+    ("multiturn", "output_tok_s", "multi-turn output tokens/s"),
+    ("multiturn", "ttft.p50_ms", "multi-turn TTFT p50 ms"),
 )
 
 
+def _value(point: dict, key: str):
+    for part in key.split("."):
+        point = point.get(part) if isinstance(point, dict) else None
+    return point
+
+
 def write_plot(record: dict, path: Path) -> None:
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5.2 * len(PANELS), 4.4), squeeze=False)
+    """One panel per (workload, figure) that some engine measured."""
+    measured = {
+        w for res in record["engines"].values() for w in ("wave", "chat", "multiturn") if res.get(w)
+    }
+    panels = [p for p in PANELS if p[0] in measured] or list(PANELS[:1])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
     roof = sorted(record["roofline"], key=lambda r: r["C"])
-    for ax, (workload, key, title) in zip(axes[0], PANELS):
+    for ax, (workload, key, title) in zip(axes[0], panels):
         for name, res in record["engines"].items():
-            pts = sorted((p for p in res.get(workload, []) if p.get(key)), key=lambda p: p["C"])
+            pts = [p for p in res.get(workload, []) if _value(p, key)]
+            pts.sort(key=lambda p: p["C"])
             if pts:
                 color, label = STYLE.get(name, (None, name))
                 xs = [p["C"] for p in pts]
-                ax.plot(xs, [p[key] for p in pts], marker="o", color=color, label=label)
+                ax.plot(xs, [_value(p, key) for p in pts], marker="o", color=color, label=label)
         if workload == "wave":
             top = [r for r in roof if r.get(key)]
             if top:

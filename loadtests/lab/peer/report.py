@@ -10,7 +10,7 @@ from pathlib import Path
 
 from loadtests.lab.peer.config import PeerConfig
 
-OURS, PEER = "hipfire", "vllm"
+OURS, PEER, NOCACHE = "hipfire", "vllm", "hipfire-nocache"
 # config fields two records must share to be merged (the workloads' definitions)
 COMPARABLE = (
     "model",
@@ -20,6 +20,13 @@ COMPARABLE = (
     "chat_output_len",
     "chat_waves",
     "chat_min_requests",
+    "mt_system_len",
+    "mt_turns",
+    "mt_user_len",
+    "mt_output_len",
+    "mt_waves",
+    "mt_min_conversations",
+    "prefix_caching",
     "seed",
     "dtype",
 )
@@ -56,7 +63,31 @@ def ratios(engines: dict) -> dict:
                 for q in ("p50_ms", "p90_ms"):
                     row[f"{metric}_{q[:3]}"] = _ratio(_p(p, metric, q), _p(o, metric, q))
             out["chat"].append(row)
+    out["multiturn"] = _multiturn_ratios(ours, peer, engines.get(NOCACHE) or {})
     return out
+
+
+def _multiturn_ratios(ours: dict, peer: dict, nocache: dict) -> list[dict]:
+    """Per C of ours: against vLLM (output tok/s, TTFT) and against ours without the cache
+    (`cache_*`: the cache's own gain)."""
+    peer_mt = {p["C"]: p for p in peer.get("multiturn", [])}
+    base_mt = {p["C"]: p for p in nocache.get("multiturn", [])}
+    rows = []
+    for o in ours.get("multiturn", []):
+        p, b = peer_mt.get(o["C"], {}), base_mt.get(o["C"], {})
+        rows.append(
+            {
+                "C": o["C"],
+                "output_tok_s": _ratio(o["output_tok_s"], p.get("output_tok_s")),
+                "ttft_p50": _ratio(_p(p, "ttft"), _p(o, "ttft")),
+                "cache_output_tok_s": _ratio(o["output_tok_s"], b.get("output_tok_s")),
+                "cache_ttft_p50": _ratio(_p(b, "ttft"), _p(o, "ttft")),
+                "cache_ttft_later_p50": _ratio(
+                    _p(b, "ttft_later_turns"), _p(o, "ttft_later_turns")
+                ),
+            }
+        )
+    return rows
 
 
 def build_record(
@@ -217,6 +248,55 @@ def _chat_table(record: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _multiturn_table(record: dict) -> list[str]:
+    eng = record["engines"]
+    per = {name: _by_c(res.get("multiturn", [])) for name, res in eng.items()}
+    cs = sorted({c for points in per.values() for c in points})
+    if not cs:
+        return []
+    rat = _by_c(record["ratios"].get("multiturn", []))
+    lines = [
+        "## Multi-turn: conversations over a shared system prompt, C live",
+        "",
+        "| C | engine | prefix caching | requests | out tok/s | TTFT p50 ms | TTFT p90 ms "
+        "| TTFT p50 ms, turn 1 / later | ITL p50 ms | cache hit rate |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cs:
+        for name, points in per.items():
+            if (pt := points.get(c)) is None:
+                continue
+            caching = eng[name].get("settings", {}).get("enable_prefix_caching")
+            cache = pt.get("prefix_cache") or {}
+            hit = (
+                _f(100 * cache["hits"] / cache["queries"], 1) + "%" if cache.get("queries") else "-"
+            )
+            lines.append(
+                f"| {c} | {name} | {_on(caching)} | {pt['num_requests']} "
+                f"| {_f(pt['output_tok_s'])} | {_f(_p(pt, 'ttft'), 1)} "
+                f"| {_f(_p(pt, 'ttft', 'p90_ms'), 1)} | {_f(_p(pt, 'ttft_first_turn'), 1)} / "
+                f"{_f(_p(pt, 'ttft_later_turns'), 1)} | {_f(_p(pt, 'itl'), 1)} | {hit} |"
+            )
+    lines += [
+        "",
+        "| C | out tok/s ours / vLLM | TTFT p50 vLLM / ours | TTFT p50 without / with cache "
+        "(ours) | later turns | out tok/s with / without cache |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in cs:
+        r = rat.get(c, {})
+        lines.append(
+            f"| {c} | {_bold(_f(r.get('output_tok_s'), 3))} | {_f(r.get('ttft_p50'), 3)} "
+            f"| {_bold(_f(r.get('cache_ttft_p50'), 2))} | {_f(r.get('cache_ttft_later_p50'), 2)} "
+            f"| {_f(r.get('cache_output_tok_s'), 3)} |"
+        )
+    return [*lines, ""]
+
+
+def _on(value) -> str:
+    return "-" if value is None else ("on" if value else "off")
+
+
 def _issues(record: dict) -> list[str]:
     lines = [f"- {name}: not run ({why})" for name, why in record.get("missing", {}).items()]
     for name, res in record["engines"].items():
@@ -245,7 +325,7 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
 
 
-def markdown(record: dict) -> str:
+def markdown(record: dict, name: str = "peer-vllm") -> str:
     cfg = record["config"]
     eng = record["engines"]
     ceil = record.get("ceilings") or {}
@@ -258,8 +338,8 @@ def markdown(record: dict) -> str:
         "",
         f"Measured on {record['device']}, {record['date']}, torch {record['torch']}, "
         f"vLLM {record.get('vllm') or '-'}, at commit {record['commit']}, by "
-        f"`hipfire-bench peer-vllm` in {record['elapsed_s']:.0f} s (JSON: `peer-vllm.json`, "
-        "plot: `peer-vllm.png`).",
+        f"`hipfire-bench peer-vllm` in {record['elapsed_s']:.0f} s (JSON: `{name}.json`, "
+        f"plot: `{name}.png`).",
         "",
         f"Model `{cfg['model']}` ({record['shape']['dtype']}, "
         f"{_count(record['shape']['num_params'])} parameters), the same shape in both"
@@ -269,8 +349,9 @@ def markdown(record: dict) -> str:
             else ", the checkpoint's weights. "
         )
         + "Each engine in its own process, one after the other, on the same token ids; plain "
-        "decoding (no "
-        "speculation), greedy, EOS ignored, no prefix caching in either, `max_num_seqs` / "
+        "decoding (no speculation), greedy, EOS ignored, prefix caching "
+        + ("on in both (hipfire-nocache: ours with it off)" if cfg.get("prefix_caching") else "off")
+        + ", `max_num_seqs` / "
         f"`max_concurrency` {max(cfg['concurrency'])}, context {_max_len(cfg)} tokens; "
         "otherwise each at its defaults"
         + "".join(f"; {n}: {_settings_line(n, s)}" for n, s in sets.items() if s)
@@ -286,6 +367,7 @@ def markdown(record: dict) -> str:
         f"{ohi}], random tokens (no shared prefixes); output tok/s over the whole run. TTFT and "
         "ITL are host arrival times of each engine's step outputs in its own offline loop "
         "(the same clock and definition for both; vLLM's RequestOutput.metrics is not read).",
+        *_multiturn_line(cfg),
         "- **Roofline**: per decode step, every weight once (of the input embedding only the "
         "rows' own) plus the KV of every context at its mean length over the wave's decode "
         "steps, at the copy bandwidth measured in the same call; or the step's FLOPs at the "
@@ -307,8 +389,25 @@ def markdown(record: dict) -> str:
             for m in record["merged_from"]
         )
         head += [f"Merged from separate calls: {parts}.", ""]
-    body = _wave_tables(record) + _chat_table(record) + _issues(record)
-    return "\n".join(head + body + ["![peer-vllm](peer-vllm.png)", ""])
+    body = _wave_tables(record) + _chat_table(record) + _multiturn_table(record)
+    body += _issues(record)
+    return "\n".join(head + body + [f"![{name}]({name}.png)", ""])
+
+
+def _multiturn_line(cfg: dict) -> list[str]:
+    if "multiturn" not in cfg["workloads"]:
+        return []
+    um, us, ulo, uhi = cfg["mt_user_len"]
+    om, osg, olo, ohi = cfg["mt_output_len"]
+    return [
+        f"- **Multi-turn**: max({cfg['mt_waves']} x C, {cfg['mt_min_conversations']}) "
+        f"conversations, C live, {cfg['mt_turns']} turns each over one {cfg['mt_system_len']}"
+        f"-token system prompt shared by all; user messages lognormal (median {um}, sigma {us}) "
+        f"in [{ulo}, {uhi}], replies (median {om}, sigma {osg}) in [{olo}, {ohi}]; a turn's "
+        "prompt is the system prompt, the earlier turns (replies as fixed tokens, the same for "
+        "both engines) and its user message, sent when the turn before it is done. Cache hit "
+        "rate: cached tokens over context tokens looked up at admission (ours only)."
+    ]
 
 
 def _max_len(cfg: dict) -> int:
@@ -323,13 +422,13 @@ def _settings_line(name: str, s: dict) -> str:
     return ", ".join(f"{k} {s[k]}" for k in keys if s.get(k) is not None) or "-"
 
 
-def write_outputs(record: dict, out: Path) -> list[Path]:
+def write_outputs(record: dict, out: Path, name: str = "peer-vllm") -> list[Path]:
     from loadtests.lab.peer.plots import write_plot
 
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "peer-vllm.json", out / "peer-vllm.md", out / "peer-vllm.png"]
+    paths = [out / f"{name}.json", out / f"{name}.md", out / f"{name}.png"]
     paths[0].write_text(json.dumps(record, indent=1))
-    paths[1].write_text(markdown(record))
+    paths[1].write_text(markdown(record, name))
     write_plot(record, paths[2])
     return paths
 
@@ -339,7 +438,11 @@ def summary_table(record: dict) -> str:
     eng = record["engines"]
     rows = ["workload  C      ours tok/s   vLLM tok/s   ratio   roofline"]
     roof = _by_c(record["roofline"])
-    for wl, key in (("wave", "decode_tok_s"), ("chat", "output_tok_s")):
+    for wl, key in (
+        ("wave", "decode_tok_s"),
+        ("chat", "output_tok_s"),
+        ("multiturn", "output_tok_s"),
+    ):
         ours, peer = _by_c(eng.get(OURS, {}).get(wl, [])), _by_c(eng.get(PEER, {}).get(wl, []))
         for c in sorted(set(ours) | set(peer)):
             o, p = ours.get(c, {}).get(key), peer.get(c, {}).get(key)

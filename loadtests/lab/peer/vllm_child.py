@@ -1,9 +1,10 @@
 """vLLM in its own process: `python -m loadtests.lab.peer.vllm_child SPEC OUT`. vLLM's offline
 `LLM` at its defaults (its attention backend, torch.compile, CUDA graphs, chunked prefill) but
 for what both engines are given alike: the shape (random weights: `load_format='dummy'` from
-the config.json the parent wrote), dtype, context length, `max_num_seqs` = the largest C, no
-prefix caching, the seed. The wave goes through `LLM.generate`; the chat workload through its
-engine's add_request/step loop with outputs streamed as deltas."""
+the config.json the parent wrote), dtype, context length, `max_num_seqs` = the largest C,
+prefix caching as the spec says, the seed. The wave goes through `LLM.generate`; the chat and
+multi-turn workloads through its engine's add_request/step loop with outputs streamed as
+deltas."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def build(spec: dict, result: dict) -> tuple[VllmBackend, int]:
         dtype=spec["dtype"],
         max_model_len=cfg.max_model_len,
         max_num_seqs=max(cfg.concurrency),
-        enable_prefix_caching=False,
+        enable_prefix_caching=bool(spec.get("prefix_caching")),
         seed=cfg.seed,
     )
     if spec["random_weights"]:

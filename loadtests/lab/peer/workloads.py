@@ -4,7 +4,12 @@ only, so the vLLM child needs nothing of the project's engine).
 - wave: C requests at once, prompt lengths uniform in `wave_prompt_len`;
 - chat: `max(chat_waves * C, chat_min_requests)` requests kept C live (a finished one is
   replaced at once), prompt and output lengths lognormal (median, sigma) clipped to [lo, hi],
-  every prompt its own random tokens, so no two share a prefix.
+  every prompt its own random tokens, so no two share a prefix;
+- multiturn: `max(mt_waves * C, mt_min_conversations)` conversations kept C live, each
+  `mt_turns` turns over one system prompt all of them share; turn t's prompt is the system
+  prompt, every earlier turn's user message and reply, and its own user message. The replies
+  in the history are fixed tokens of the reply's length (not what an engine said), so both
+  engines see the same prompts and a turn's prompt extends the one before it.
 Lengths come from their own generator, so the roofline can be computed without the tokens."""
 
 from __future__ import annotations
@@ -54,3 +59,28 @@ def chat_requests(cfg: PeerConfig, c: int, vocab: int) -> list[tuple[list[int], 
     """(prompt ids, max_tokens) of each chat request at concurrency `c`, in order."""
     rng = random.Random(cfg.seed * 7919 + c + 500_000)
     return [(_tokens(rng, p, vocab), m) for p, m in chat_lens(cfg, c)]
+
+
+def multiturn_lens(cfg: PeerConfig, c: int) -> list[list[tuple[int, int]]]:
+    """Per conversation at concurrency `c`, per turn: (user message length, reply length)."""
+    rng = random.Random(cfg.seed * 104_729 + c)
+    num = max(cfg.mt_waves * c, cfg.mt_min_conversations)
+    return [
+        [(_lognormal(rng, cfg.mt_user_len), _lognormal(rng, cfg.mt_output_len)) for _ in turns]
+        for turns in [range(cfg.mt_turns)] * num
+    ]
+
+
+def multiturn_requests(cfg: PeerConfig, c: int, vocab: int) -> list[list[tuple[list[int], int]]]:
+    """Per conversation, per turn: (prompt ids, max_tokens); prompts as the module says."""
+    rng = random.Random(cfg.seed * 104_729 + c + 500_000)
+    system = _tokens(rng, cfg.mt_system_len, vocab)
+    conversations = []
+    for turns in multiturn_lens(cfg, c):
+        history, requests = list(system), []
+        for user_len, reply_len in turns:
+            history += _tokens(rng, user_len, vocab)
+            requests.append((list(history), reply_len))
+            history += _tokens(rng, reply_len, vocab)
+        conversations.append(requests)
+    return conversations

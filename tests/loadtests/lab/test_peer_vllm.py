@@ -16,13 +16,13 @@ import pytest
 
 from executor.model_config import load_model_config
 from executor.random_model import PRESETS
-from loadtests.lab.peer import drive
+from loadtests.lab.peer import drive, report
 from loadtests.lab.peer.children import ROOT, child_env
 from loadtests.lab.peer.config import QUICK, PeerConfig
 from loadtests.lab.peer.main import main
 from loadtests.lab.peer.roofline import wave_roofline
 from loadtests.lab.peer.shape import num_params, step_weight_bytes, write_hf_config
-from loadtests.lab.peer.workloads import chat_lens, wave_lens
+from loadtests.lab.peer.workloads import chat_lens, multiturn_lens, multiturn_requests, wave_lens
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_quick_run_record(quick_run):
         assert p["itl"]["n"] == p["output_tokens"] - p["num_requests"]
         assert p["output_tok_s"] == pytest.approx(p["output_tokens"] / p["wall_s"])
     assert record["missing"] == {"vllm": "ImportError: vllm stand-in"}
-    assert record["ratios"] == {"wave": [], "chat": []}
+    assert record["ratios"] == {"wave": [], "chat": [], "multiturn": []}
     assert record["ceilings"] == {} and record["device"] == "cpu"
     assert [r["C"] for r in record["roofline"]] == list(QUICK.concurrency)
     assert all(r["step_ms"] is None and r["weight_bytes"] > 0 for r in record["roofline"])
@@ -295,3 +295,87 @@ def test_vllm_adapter_maps_ids_and_counts_tokens(monkeypatch, fake_clock, cumula
     point = drive.chat_point(VllmBackend(llm), QUICK, 3, vocab=512)
     assert point["output_tokens"] == sum(m for _, m in chat_lens(QUICK, 3))
     assert point["itl"]["max_ms"] == pytest.approx(10.0)
+
+
+# -- the multi-turn workload -------------------------------------------------------------------
+def test_multiturn_prompts_extend_the_turn_before():
+    cfg = dataclasses.replace(QUICK, workloads=("multiturn",))
+    convs = multiturn_requests(cfg, 3, vocab=512)
+    lens = multiturn_lens(cfg, 3)
+    assert len(convs) == max(cfg.mt_waves * 3, cfg.mt_min_conversations)
+    system = convs[0][0][0][: cfg.mt_system_len]
+    for conv, turn_lens in zip(convs, lens):
+        assert len(conv) == cfg.mt_turns
+        history = cfg.mt_system_len
+        for t, ((prompt, max_tokens), (user_len, reply_len)) in enumerate(zip(conv, turn_lens)):
+            assert prompt[: cfg.mt_system_len] == system
+            assert max_tokens == reply_len and len(prompt) == history + user_len
+            if t:  # the earlier prompt, then a reply of its length, then the user message
+                before, reply_before = conv[t - 1]
+                assert prompt[: len(before)] == before
+                assert len(prompt) == len(before) + reply_before + user_len
+            history = len(prompt) + reply_len
+        assert history <= cfg.max_model_len
+    assert convs[1][0][0] != convs[0][0][0]  # conversations differ after the system prompt
+
+
+def test_multiturn_driver_sends_turns_in_order(fake_clock):
+    cfg = dataclasses.replace(QUICK, workloads=("multiturn",))
+    engine = FakeEngine(fake_clock, capacity=2)
+    sent: list[str] = []
+    add = engine.add
+
+    def add_logged(req_id, prompt, max_tokens):
+        turn = int(req_id.rsplit("-", 1)[1])
+        conv = req_id.rsplit("-", 1)[0]
+        assert turn == 0 or f"{conv}-{turn - 1}" not in engine.live  # the turn before is done
+        sent.append(req_id)
+        add(req_id, prompt, max_tokens)
+
+    engine.add = add_logged
+    point = drive.multiturn_point(engine, cfg, 2, vocab=512)
+    lens = multiturn_lens(cfg, 2)
+    assert engine.max_live == 2 and not engine.live
+    assert point["num_requests"] == len(sent) == cfg.mt_turns * len(lens)
+    assert point["output_tokens"] == sum(m for conv in lens for _, m in conv)
+    assert point["ttft"]["n"] == point["num_requests"]
+    assert point["ttft_first_turn"]["n"] == len(lens)
+    assert point["ttft_later_turns"]["n"] == point["num_requests"] - len(lens)
+    assert point["ttft"]["p50_ms"] == pytest.approx(10.0) and "prefix_cache" not in point
+
+
+def test_multiturn_through_the_engine_hits_the_cache():
+    from loadtests.lab.peer.hipfire_child import build
+
+    cfg = dataclasses.replace(QUICK, workloads=("multiturn",), prefix_caching=True)
+    spec = {"config": cfg.to_json(), "model_path": "random:tiny", "dtype": "float32"}
+    spec["prefix_caching"] = True
+    result: dict = {}
+    backend, vocab = build(spec, result)
+    assert result["settings"]["enable_prefix_caching"] is True
+    point = drive.multiturn_point(backend, cfg, 2, vocab)
+    cache = point["prefix_cache"]
+    # every turn but a conversation's first finds at least its system prompt's whole blocks
+    block = backend.engine.config.block_size
+    later = point["num_requests"] - point["num_conversations"]
+    assert cache["hits"] >= later * (cfg.mt_system_len // block) * block > 0
+    assert cache["hits"] < cache["queries"]
+    md = report.markdown(_record_with(point, result))
+    assert "## Multi-turn" in md and "| 2 | hipfire | on |" in md
+
+
+def _record_with(point: dict, result: dict) -> dict:
+    cfg = dataclasses.replace(QUICK, workloads=("multiturn",), prefix_caching=True)
+    engines = {
+        "hipfire": {**result, "multiturn": [point]},
+        "hipfire-nocache": {"settings": {"enable_prefix_caching": False}, "multiturn": [point]},
+    }
+    return report.build_record(
+        cfg,
+        {"model": cfg.model, "dtype": "float32", "num_params": 1, "hf_config": {}},
+        {},
+        [],
+        engines,
+        {},
+        {"date": "d", "commit": "c", "elapsed_s": 1.0, "device": "cpu", "torch": "t"},
+    )
