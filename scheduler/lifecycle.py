@@ -181,6 +181,8 @@ class RequestLifecycle:
                 return
             need = num_blocks_for(req.context_len + 1, kv.block_size)
             hit = cache.hit(req)
+            if cache.enabled and self.live and cache.should_wait(req, hit, self._prefilling_now()):
+                return  # its prefix is being computed: it starts from the cache next round
             if hit:
                 need -= len(hit)
                 if need + kv.num_unreferenced(hit) > kv.num_free - reserve and self.live:
@@ -236,6 +238,11 @@ class RequestLifecycle:
         self.admission.push(req, front=True)
         self.live.remove(req)
         self.cohort_changed = True
+
+    def _prefilling_now(self) -> list[Request]:
+        """The live requests in prefill, found by state (admission's own check; `prefilling`
+        may skip the scan)."""
+        return [r for r in self.live if r.state == ReqState.PREFILLING]
 
     def prefilling(self) -> list[Request]:
         """The live requests in prefill, in admission order."""

@@ -27,6 +27,11 @@ from scheduler.kv_blocks import BlockPool
 from scheduler.request import Request
 
 KEY_BYTES = 16
+# A waiting request is held back while a live request is prefilling at least this many tokens
+# of its prefix past what is cached (or most of what it would compute, of a shared prefix this
+# long): a round's wait for those blocks costs it less than computing them again costs every
+# request in the round.
+HOLD_MIN_TOKENS = 256
 _ROOT_TAG = b"hipfire-prefix-cache/1\0"
 
 
@@ -96,6 +101,44 @@ class PrefixCache:
             return []
         num = (req.context_len - 1) // self.kv.block_size
         return self.kv.lookup(self.keys(req, num)[:num]) if num > 0 else []
+
+    def in_flight(self, req: Request, hit: list[int], prefilling: list[Request]) -> int:
+        """Tokens of `req`'s prefix past its cached `hit` that one of the `prefilling`
+        requests is computing now (blocks of its prompt not committed yet): the request finds
+        them cached once that prefill commits them."""
+        if not self.enabled or not prefilling:
+            return 0
+        bs = self.kv.block_size
+        num = (req.context_len - 1) // bs
+        mine = self.keys(req, num)[len(hit) : num]
+        if not mine:
+            return 0
+        best = 0
+        for other in prefilling:
+            if other.spec.cache_salt != req.spec.cache_salt:
+                continue  # another scope: its keys can never match
+            end = min(other.num_prefill_target // bs, len(hit) + len(mine))
+            if end <= max(other.num_cached_blocks, len(hit)):
+                continue
+            theirs = self.keys(other, end)
+            run = 0
+            for i in range(len(hit), end):
+                if theirs[i] != mine[i - len(hit)]:
+                    break
+                run += 1
+            # blocks the other request committed already would be in `hit`: what matches
+            # past it is in flight
+            best = max(best, run)
+        return best * bs
+
+    def should_wait(self, req: Request, hit: list[int], prefilling: list[Request]) -> bool:
+        """Whether `req` waits for a prefix in flight (HOLD_MIN_TOKENS says when)."""
+        in_flight = self.in_flight(req, hit, prefilling)
+        if in_flight >= HOLD_MIN_TOKENS:
+            return True
+        shared = len(hit) * self.kv.block_size + in_flight
+        uncached = req.context_len - len(hit) * self.kv.block_size
+        return in_flight > 0 and 2 * in_flight >= uncached and shared >= HOLD_MIN_TOKENS
 
     def attach(self, req: Request, blocks: list[int]) -> None:
         """The request (admitted, holding no blocks) starts with `blocks`: their positions count

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scheduler.cost_model import CostModel
 from scheduler.kv_blocks import BlockPool
 from scheduler.plan import SamplingSpec
-from scheduler.prefix_cache import cache_root, chain_keys
+from scheduler.prefix_cache import HOLD_MIN_TOKENS, cache_root, chain_keys
 from scheduler.request import RequestSpec
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sim.executor import SimExecutor
@@ -157,6 +157,31 @@ def test_prefill_rows_and_their_price_count_only_uncached_tokens():
     assert plans[True].num_rows == 4 and plans[False].num_rows == 1024
     assert plans[True].num_kv_tokens == plans[False].num_kv_tokens == 1024
     assert plans[True].predicted_ms < plans[False].predicted_ms / 3
+
+
+@pytest.mark.parametrize(("shared_len", "held"), [(HOLD_MIN_TOKENS + 8, True), (40, False)])
+def test_a_prefix_in_flight_is_waited_for_not_computed_twice(shared_len, held):
+    """Requests arriving together with a long common prefix: the first computes it, the others
+    wait for its blocks and start from them (a prefix shorter than HOLD_MIN_TOKENS is not
+    worth a round's wait: they are admitted at once). Chunks of 64 rows: the first request
+    needs several rounds for its prompt."""
+    common = list(range(shared_len))
+    sched, ex = make(num_blocks=512, max_concurrency=3)
+    for i in range(3):
+        sched.add_request(spec(i, [*common, 5000 + i, 6000 + i], max_tokens=2))
+    plans = []
+    run(sched, ex, plans=plans)
+    s = setups(plans)
+    first_round = [x.req_id for x in plans[0].setup]
+    cached = (shared_len // BS) * BS
+    if held:
+        assert first_round == [0]
+        assert s[1].num_cached_tokens == s[2].num_cached_tokens == cached
+        computed = sum(q.num_new for p in plans for q in p.prefills)
+        assert computed == shared_len + 2 + 2 * (shared_len + 2 - cached)
+    else:
+        assert first_round == [0, 1, 2]
+        assert s[1].num_cached_tokens == s[2].num_cached_tokens == 0
 
 
 def test_admission_needs_blocks_only_for_the_uncached_rest():
