@@ -44,6 +44,7 @@ from hipfire_serve.server.protocol import (
 from hipfire_serve.server.request_fields import check_request_fields, truncate_prompt
 from hipfire_serve.server.supervisor import EngineSupervisor
 from hipfire_serve.server.tenants import RateLimitExceeded, Tenant, TenantRegistry
+from hipfire_serve.server.tool_choice import ToolCalling, plan_tools
 
 logger = logging.getLogger("hipfire_serve.server")
 
@@ -98,6 +99,7 @@ class App:
         num_slots: int | None = None,
         max_queue: int | None = None,
         generation_defaults: dict[str, Any] | None = None,
+        tool_calling: ToolCalling | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -111,6 +113,8 @@ class App:
         self.max_queue = max_queue
         # sampling defaults of requests that leave a field out (--generation-config)
         self.generation_defaults = dict(generation_defaults or {})
+        # --tool-call-parser and the flags beside it, resolved for the served model
+        self.tool_calling = tool_calling or ToolCalling()
         self.token_texts = TokenTexts(tokenizer)
         self.created = int(time.time())
         self.draining = False
@@ -345,7 +349,9 @@ class App:
             raise RequestError("stream_options is only allowed with stream=true", "stream_options")
         check_request_fields(req)
         chat_echo = ""
+        tools = None
         if chat:
+            tools = plan_tools(req, self.tool_calling)
             messages = chat_messages(req.messages)
             try:
                 text = render_chat(
@@ -355,6 +361,7 @@ class App:
                     continue_final_message=req.continue_final_message,
                     template_kwargs=req.chat_template_kwargs,
                     reasoning_effort=req.reasoning_effort,
+                    tools=tools.template_tools if tools is not None else None,
                 )
             except RequestError:
                 raise
@@ -413,6 +420,10 @@ class App:
         params = sampling_params(
             req, max_tokens=max_tokens, logprobs=logprobs, defaults=self.generation_defaults
         )
+        if tools is not None and tools.constraint is not None:
+            # tool_choice required or named: the grammar of the calls (plan_tools refused any
+            # other constraint beside it)
+            params.structured_outputs = tools.constraint
         if self.num_slots is not None and self.max_queue is not None:
             check_capacity(
                 len(token_ids), params.n, num_slots=self.num_slots, max_queue=self.max_queue
@@ -434,6 +445,7 @@ class App:
             max_tokens_charged=charged,
             request_id=req.request_id,
             tokens_as_ids=req.return_tokens_as_token_ids,
+            tools=tools,
         )
 
     def _encode(

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hipfire_serve.config import EngineConfig, config_fields
+from hipfire_serve.server.tool_parsers import tool_parser_names
 
 ENV_PREFIX = "HIPFIRE_"
 
@@ -107,6 +108,22 @@ class ServerConfig:
         "them: 'auto' from the model's generation_config.json, 'vllm' none, or a folder "
         "holding a generation_config.json",
     )
+    tool_call_parser: str = _f(
+        "auto",
+        "format of the tool calls in the model's text, read for tool_choice auto (vLLM's "
+        "flag): hermes (<tool_call>{json}</tool_call>, Qwen and Hermes models); auto: hermes "
+        "for the demo model (auto tool choice on), none for other models",
+        choices=("auto", "none", *tool_parser_names()),
+    )
+    enable_auto_tool_choice: bool = _f(
+        False,
+        "serve tool_choice auto, the default of requests with tools, where the model decides "
+        "whether to call (vLLM's flag; needs --tool-call-parser). Without it such requests get "
+        "a 400, while tool_choice required and named functions are served through a grammar",
+    )
+    exclude_tools_when_tool_choice_none: bool = _f(
+        False, "leave the tools out of the chat template's input under tool_choice none"
+    )
 
     def validate(self) -> None:
         """Raises ValueError with a one-line reason for a bad setting."""
@@ -139,6 +156,8 @@ class ServerConfig:
             raise ValueError(f"--tenants {self.tenants}: no such file")
         if any(not key or any(c.isspace() for c in key) for key in self.api_key):
             raise ValueError("--api-key: a key must be non-empty and hold no whitespace")
+        if self.enable_auto_tool_choice and self.tool_call_parser == "none":
+            raise ValueError("--enable-auto-tool-choice needs a --tool-call-parser other than none")
         if self.generation_config not in ("auto", "vllm"):
             folder = Path(self.generation_config)
             if not (folder / "generation_config.json").is_file():

@@ -33,6 +33,8 @@ from hipfire_serve.server.protocol import (
     TopLogprob,
     Usage,
 )
+from hipfire_serve.server.tool_choice import ToolPlan
+from hipfire_serve.server.tool_stream import ChoiceTools
 from hipfire_serve.types import RequestOutput, SamplingParams
 
 # finish reasons the server reports as errors instead of choices
@@ -57,6 +59,7 @@ class GenerationPlan:
     max_tokens_charged: int  # tokens charged to the tenant's tokens/min bucket
     request_id: str | None = None  # the client's (vLLM's field): the response id's tail
     tokens_as_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's field)
+    tools: ToolPlan | None = None  # chat: the request's tools and tool_choice
 
 
 @dataclass
@@ -73,6 +76,7 @@ class _Choice:
     lp_top: list[dict[str, float]] = field(default_factory=list)
     lp_offsets: list[int] = field(default_factory=list)
     chat_lps: list[ChatTokenLogprob] = field(default_factory=list)
+    tools: ChoiceTools | None = None  # reads tool calls out of the text
 
 
 class _DeltaView(NamedTuple):
@@ -140,6 +144,8 @@ class Generation:
         self.choices = [_Choice(index=i) for i in range(len(self.engine_ids) * n)]
         for choice in self.choices:
             choice.text_len = len(plan.echo_texts[choice.index // n])
+            if plan.chat and plan.tools is not None and plan.tools.new_parser is not None:
+                choice.tools = ChoiceTools(plan.tools.new_parser(), plan.tools.max_calls)
         # Non-streamed replies need only the end: wake the handler once, not every round.
         self.stream = RequestStream(wake_every=stream_interval if plan.stream else 1 << 30)
         self._unfinished = set(self.engine_ids)
@@ -332,11 +338,11 @@ class Generation:
             chat_choices = [
                 ChatChoice(
                     index=c.index,
-                    message=AssistantMessage(
-                        content=self.plan.echo_texts[c.index // n] + "".join(c.text_parts)
-                    ),
+                    message=self._chat_message(c),
                     logprobs=ChatLogprobs(content=c.chat_lps) if self.plan.want_logprobs else None,
-                    finish_reason=c.finish_reason,
+                    finish_reason=(
+                        c.tools.finish_reason(c.finish_reason) if c.tools else c.finish_reason
+                    ),
                 )
                 for c in self.choices
             ]
@@ -351,6 +357,13 @@ class Generation:
             for c in self.choices
         ]
         return self._response(Completion, choices, usage)
+
+    def _chat_message(self, c: _Choice) -> AssistantMessage:
+        echo = self.plan.echo_texts[c.index // self.plan.params.n]
+        if c.tools is None:
+            return AssistantMessage(content=echo + "".join(c.text_parts))
+        c.tools.feed("".join(c.text_parts), final=True)
+        return c.tools.message(echo)
 
     @staticmethod
     def _completion_logprobs(
@@ -455,13 +468,16 @@ class Generation:
                 continue
             if not view.text and view.finish_reason is None and view.lp_start == view.lp_end:
                 continue  # the detokenizer held text back (partial character, stop prefix)
+            c = self.choices[view.index]
             logprobs = None
             if self.plan.want_logprobs:
-                c = self.choices[view.index]
                 if self.plan.chat:
                     logprobs = ChatLogprobs(content=c.chat_lps[view.lp_start : view.lp_end])
                 else:
                     logprobs = self._completion_logprobs(c, view.lp_start, view.lp_end)
+            if c.tools is not None:
+                parts.append(self._tool_chunks(c, view, logprobs))
+                continue
             if self.plan.chat:
                 chunk = self._chat_chunk(
                     view.index, ChatDelta(content=view.text), view.finish_reason, logprobs
@@ -470,6 +486,29 @@ class Generation:
                 chunk = self._completion_chunk(view.index, view.text, view.finish_reason, logprobs)
             parts.append(http.sse_event(http.encode(chunk)))
         return b"".join(parts)
+
+    def _tool_chunks(self, c: _Choice, view: _DeltaView, logprobs: Any) -> bytes:
+        """A delta's chunks for a choice whose calls are parsed: its content and call pieces
+        (none while the parser holds text back), the finish reason on the last, the delta's
+        logprobs on the first."""
+        deltas = c.tools.feed(view.text, final=view.finish_reason is not None)
+        finish = c.tools.finish_reason(view.finish_reason)
+        if not deltas and (finish is not None or logprobs is not None):
+            deltas = [ChatDelta()]
+        last = len(deltas) - 1
+        return b"".join(
+            http.sse_event(
+                http.encode(
+                    self._chat_chunk(
+                        view.index,
+                        delta,
+                        finish if i == last else None,
+                        logprobs if i == 0 else None,
+                    )
+                )
+            )
+            for i, delta in enumerate(deltas)
+        )
 
     def _response(self, response_type: type, choices: list, usage: Usage | None = None) -> Any:
         """A response or chunk of this generation (its id, creation time and model)."""

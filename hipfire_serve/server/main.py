@@ -34,6 +34,7 @@ from hipfire_serve.server.model_overrides import (
 )
 from hipfire_serve.server.supervisor import EngineSupervisor
 from hipfire_serve.server.tenants import Tenant, TenantRegistry, load_tenants, with_api_keys
+from hipfire_serve.server.tool_choice import resolve_tool_calling
 
 logger = logging.getLogger("hipfire_serve.server")
 
@@ -109,7 +110,7 @@ def build_server(
     """Wires an engine into the app and a uvicorn server (not started). `engine` is an `Engine`
     (driven from a thread) or a `ProcessEngine` (already running in its child process).
     `tenants=None` and no `--api-key`: open access. ValueError on a bad `--chat-template`,
-    `--generation-config` or key."""
+    `--generation-config`, key or tool-calling flags."""
     model_name = server_config.served_model_name or engine.model_name
     file_tenants = tenants
     tenants = with_api_keys(tenants, server_config.api_key)
@@ -119,6 +120,7 @@ def build_server(
         # the server renders every chat; the engine never does, so its tokenizer stays as is
         tokenizer = tokenizer.with_chat_template(template)
     defaults = generation_defaults(server_config.generation_config, model_dir(engine_config))
+    tool_calling = resolve_tool_calling(server_config, engine_config.model)
     if defaults:
         logger.info("default sampling parameters from the generation config: %s", defaults)
     metrics = ServerMetrics(
@@ -140,6 +142,7 @@ def build_server(
         num_slots=engine_config.max_concurrency,
         max_queue=engine_config.max_queue,
         generation_defaults=defaults,
+        tool_calling=tool_calling,
     )
     uv_config = uvicorn.Config(
         app,
@@ -191,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         with_api_keys(tenants, server_config.api_key)
         load_chat_template(server_config.chat_template)
         generation_defaults(server_config.generation_config, model_dir(engine_config))
+        resolve_tool_calling(server_config, engine_config.model)
     except ValueError as exc:
         print(f"hipfire-serve serve: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from hipfire_serve.types import SPECULATION_CHOICES, SamplingParams, StructuredO
 # n > 1 fans out inside the engine; a bound keeps one request from filling the slot pool.
 MAX_N = 64
 MAX_LOGPROBS = 20
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class RequestError(Exception):
@@ -171,10 +171,44 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # OpenAI's is JSON text; an object is taken
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    type: str | None = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True):
+    type: str
+    function: FunctionDefinition | None = None
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    function: ToolChoiceFunction | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -183,6 +217,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     reasoning_effort: str | None = None
+    # tool calling (tool_choice.py checks them)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM's chat extras
     echo: bool | None = False
     add_special_tokens: bool | None = False
@@ -246,11 +284,13 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def chat_messages(messages: list[ChatMessage] | None) -> list[dict[str, str]]:
-    """Messages as the chat template expects them: role and plain text content."""
+def chat_messages(messages: list[ChatMessage] | None) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: role and plain text content, an assistant's
+    `tool_calls` with each call's arguments as an object (templates write them with `tojson`,
+    as Hugging Face's tool templates do), a tool message's `tool_call_id` and `name`."""
     if not messages:
         raise RequestError("messages must be a non-empty list", "messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if message.role not in CHAT_ROLES:
             raise RequestError(
@@ -270,8 +310,47 @@ def chat_messages(messages: list[ChatMessage] | None) -> list[dict[str, str]]:
                 texts.append(part.text)
             content = "".join(texts)
         role = "system" if message.role == "developer" else message.role
-        out.append({"role": role, "content": content or ""})
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
+        if message.tool_calls is not None:
+            if role != "assistant":
+                where = f"messages[{i}].tool_calls"
+                raise RequestError(f"{where}: only assistant messages carry tool calls", where)
+            entry["tool_calls"] = [
+                _template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                for j, call in enumerate(message.tool_calls)
+            ]
+        if role == "tool":
+            if not message.tool_call_id:
+                where = f"messages[{i}].tool_call_id"
+                raise RequestError(f"{where} is required: the id of the call answered", where)
+            entry["tool_call_id"] = message.tool_call_id
+            if message.name is not None:
+                entry["name"] = message.name
+        out.append(entry)
     return out
+
+
+def _template_tool_call(call: MessageToolCall, where: str) -> dict[str, Any]:
+    if call.type not in (None, "function"):
+        raise RequestError(f"{where}.type must be function, got {call.type!r}", f"{where}.type")
+    arguments: Any = call.function.arguments
+    if isinstance(arguments, str) and arguments.strip():
+        try:
+            arguments = msgspec.json.decode(arguments)
+        except msgspec.DecodeError as exc:
+            raise RequestError(
+                f"{where}.function.arguments is not valid JSON: {exc}",
+                f"{where}.function.arguments",
+            ) from None
+    elif not isinstance(arguments, dict):
+        arguments = {}
+    entry: dict[str, Any] = {
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+    if call.id is not None:
+        entry["id"] = call.id
+    return entry
 
 
 _NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
@@ -485,10 +564,23 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
     refusal: list[ChatTokenLogprob] | None = None  # required by the spec, never produced
 
 
+class ToolCallFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     refusal: str | None = None  # required by the spec, never produced
+    # left out of messages without calls (the spec allows no key, not null)
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -503,9 +595,24 @@ class ChatCompletion(_Response, kw_only=True):
     choices: list[ChatChoice]
 
 
+class FunctionDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A call's first delta carries its id, type and name; later ones only arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

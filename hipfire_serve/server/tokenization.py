@@ -19,10 +19,12 @@ from hipfire_serve.server.chat_render import render_chat
 from hipfire_serve.server.protocol import (
     ChatMessage,
     RequestError,
+    ToolDefinition,
     _NullIsDefault,
     chat_messages,
     decode_request,
 )
+from hipfire_serve.server.tool_choice import check_tools, template_tools
 
 
 class TokenizeRequest(_NullIsDefault, kw_only=True):
@@ -33,7 +35,7 @@ class TokenizeRequest(_NullIsDefault, kw_only=True):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
     return_token_strs: bool | None = False
     chat_template: Any = None
     mm_processor_kwargs: Any = None
@@ -84,7 +86,7 @@ def tokenize(body: bytes, tokenizer: Any, *, model_name: str, max_model_len: int
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 template_kwargs=req.chat_template_kwargs,
-                tools=req.tools,
+                tools=_template_tools(req.tools),
             )
         except RequestError:
             raise
@@ -101,6 +103,13 @@ def tokenize(body: bytes, tokenizer: Any, *, model_name: str, max_model_len: int
         count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=pieces
     )
     return msgspec.json.encode(reply)
+
+
+def _template_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    check_tools(tools)
+    return template_tools(tools)
 
 
 def detokenize(body: bytes, tokenizer: Any, *, model_name: str) -> bytes:

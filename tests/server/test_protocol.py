@@ -74,7 +74,7 @@ def test_chat_messages_roles_and_text_parts():
         {"role": "assistant", "content": ""},
     ]
     bad_role = decode_request(
-        b'{"messages": [{"role": "tool", "content": "x"}]}', ChatCompletionRequest
+        b'{"messages": [{"role": "function", "content": "x"}]}', ChatCompletionRequest
     )
     with pytest.raises(RequestError) as info:
         chat_messages(bad_role.messages)
