@@ -12,6 +12,8 @@ prefill chunks and catch-ups, of which at most the last row per sequence needs l
 graph set made with a `HiddenCapture` also writes the chosen layers' hidden states into its
 buffer, a static output of every graph: after a replay its first num_rows rows hold this round's.
 A set made with `causal=False` replays a block drafter's blocks (non-causal attention).
+A hybrid target gets none: its recurrent layers' per-round layout and journal are new tensors
+every round, not static buffers, so its decode rounds run eagerly.
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ class DecodeGraphs:
         capture: HiddenCapture | None = None,
         causal: bool = True,
     ):
+        if getattr(model, "is_hybrid", False):
+            raise ValueError(
+                "decode graphs do not serve hybrid targets: their recurrent layers' per-round "
+                "state layout and journal are not static buffers (run with graphs off)"
+            )
         dev = model.device
         self.logits = logits
         self.causal = causal  # False: a block drafter's blocks (every row sees its block)

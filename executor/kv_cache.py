@@ -1,5 +1,7 @@
 """Paged KV cache tensors. Block *ids* are handed out by `scheduler.kv_blocks.BlockPool`; this
-module only owns the memory: per layer `k, v [num_blocks, block_size, num_kv_heads, head_dim]`."""
+module only owns the memory: per KV layer `k, v [num_blocks, block_size, num_kv_heads, head_dim]`.
+KV layers are the model's attention layers (`ModelConfig.kv_layer_ids`): a hybrid target's
+linear-attention layers keep recurrent state instead and take no KV."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def auto_kv_budget(device: torch.device, fraction: float = 0.85) -> int:
 
 @dataclass
 class KVCache:
-    k: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    k: list[torch.Tensor]  # per KV layer [num_blocks, block_size, num_kv_heads, head_dim]
     v: list[torch.Tensor]
     num_blocks: int
     block_size: int
@@ -61,8 +63,9 @@ class KVCache:
         device: torch.device,
     ) -> KVCache:
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        num = len(config.kv_layer_ids)
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num)]
         return cls(k=k, v=v, num_blocks=num_blocks, block_size=block_size)
 
     @classmethod

@@ -85,6 +85,8 @@ class Model:
             config.rope, config.head_dim, self.max_position, device
         )  # [max_position, rot_dim]
         self.scale = config.head_dim**-0.5
+        # layer -> its entry in the KV cache's lists (linear-attention layers have none)
+        self.kv_index = {layer: j for j, layer in enumerate(config.kv_layer_ids)}
 
     @property
     def num_params(self) -> int:
@@ -104,7 +106,7 @@ class Model:
         self,
         input_ids: torch.Tensor,  # [num_rows] int64
         meta: AttnMetadata,
-        k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+        k_caches: list[torch.Tensor],  # per KV layer (config.kv_layer_ids) [blocks, page, Hkv, D]
         v_caches: list[torch.Tensor],
         capture: HiddenCapture | None = None,
         causal: bool = True,
@@ -143,6 +145,7 @@ class Model:
                 x, residual = ops.rms_norm(hidden, lw.post_norm, cfg.rms_norm_eps, residual)
                 hidden = linear(ops.silu_and_mul(linear(x, lw.gate_up)), lw.down)
                 continue
+            kv = self.kv_index[i]
             qkv = linear(x, lw.qkv, lw.qkv_bias)  # [num_rows, q + 2 kv (+ q gate)]
             gate = None
             if cfg.attn_output_gate:  # the gate's columns follow v: qkv is read in place
@@ -157,15 +160,15 @@ class Model:
                 meta.positions,
                 self.cos_sin,
                 meta.slot_mapping,
-                k_caches[i],
-                v_caches[i],
+                k_caches[kv],
+                v_caches[kv],
                 num_q_heads=cfg.num_q_heads,
                 is_neox=True,  # every supported architecture rotates halves (HF rotate_half)
             )  # [num_rows, num_q_heads, head_dim]
             attn = ops.verify_attention(
                 q,
-                k_caches[i],
-                v_caches[i],
+                k_caches[kv],
+                v_caches[kv],
                 meta.cu_q_lens,
                 meta.seq_lens,
                 meta.block_tables,

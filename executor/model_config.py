@@ -103,6 +103,14 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     @property
+    def kv_layer_ids(self) -> tuple[int, ...]:
+        """The layers that keep paged KV: the full-attention ones (every layer when not hybrid).
+        The KV cache holds one tensor pair per entry, in this order."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
     def q_size(self) -> int:
         return self.num_q_heads * self.head_dim
 
@@ -111,7 +119,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+        return 2 * len(self.kv_layer_ids) * self.kv_size * dtype_bytes
 
 
 def _ids(value) -> tuple[int, ...]:

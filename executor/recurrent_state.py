@@ -7,9 +7,11 @@ that frees KV (finish, abort, preemption) frees state too. A state cannot be sha
 prefix is refused at set-up (a hybrid target is served with prefix caching off).
 
 In a forward, prefill chunks and AR rows always commit, so their state is updated in place.
-A SPEC group's rows journal instead: the state after each row goes into the round's journal and
-the slot is left untouched, so `commit` with j accepted drafts copies the state after row j
-into the slot (no replay) and rejected rows leave no trace.
+A SPEC group's rows journal instead and leave the slot untouched. The journal is compact: per
+row its conv input and the delta rule's (k, g, u) (`kernels.gated_delta_recurrent`), not the
+states after it, so `commit` with j accepted drafts rebuilds the conv state from the slot's and
+rows 0..j, and replays j + 1 rank-1 updates on the slot's delta state; rejected rows leave no
+trace. Per row and linear layer that is C + Hk Dk + Hv + Hv Dv values against (K-1) C + Hv Dk Dv.
 """
 
 from __future__ import annotations
@@ -30,14 +32,12 @@ class RoundStates:
     states: RecurrentStates
     num_rows: int
     slots: torch.Tensor  # [m] int64 the state slot of each sequence
+    host_slots: np.ndarray  # [m] the same on the host (commit reads it without a sync)
     conv_index: torch.Tensor  # [R, K] into (rows | each sequence's K-1 conv inputs)
     kept_seqs: torch.Tensor  # [k] sequences whose conv state is updated in place
     kept_index: torch.Tensor  # [k, K-1] their next conv state, same indexing
-    # recurrent rows (AR rows and SPEC groups), sequences ordered by rows, longest first
-    rec_slots: torch.Tensor  # [r]
-    step_rows: list[torch.Tensor]  # per step t: rows of the first n_t sequences
-    step_journal: list[tuple[torch.Tensor, torch.Tensor]]  # per step: (seq positions, journal)
-    rec_kept: torch.Tensor  # [r'] positions among the recurrent ones updated in place
+    # recurrent rows (AR rows and SPEC groups): slot, first row, rows, journal start (-1: AR)
+    rec_seqs: torch.Tensor  # [4, r] int64
     # prefill chunks in chunks
     chunk_slots: torch.Tensor  # [c]
     chunk_rows: torch.Tensor  # [sum rows] their rows, sequence after sequence
@@ -46,13 +46,21 @@ class RoundStates:
     journal_seqs: np.ndarray  # [j] sequence index of each journaled group
     journal_start: np.ndarray  # [j] its first row in the journal
     journal_rows: torch.Tensor  # [J] their rows in the batch
-    conv_journal: torch.Tensor | None = None  # [layers, J, K-1, C]
-    ssm_journal: torch.Tensor | None = None  # [layers, J, H, Dk, Dv] fp32
+    conv_journal: torch.Tensor | None = None  # [layers, J, C] each row's conv input
+    k_journal: torch.Tensor | None = None  # [layers, J, Hk, Dk] fp32 l2-normed k
+    g_journal: torch.Tensor | None = None  # [layers, J, Hv] fp32 decay
+    u_journal: torch.Tensor | None = None  # [layers, J, Hv, Dv] fp32 beta (v - S'^T k)
+
+    def delta_journal(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        if self.k_journal is None:
+            return None
+        return self.k_journal[layer], self.g_journal[layer], self.u_journal[layer]
 
 
 class RecurrentStates:
     def __init__(self, config: ModelConfig, max_slots: int, dtype: torch.dtype, device):
         la = config.linear_attn
+        self.config = config
         self.num_layers = len(config.linear_layer_ids)
         self.kernel = la.conv_kernel
         self.device = torch.device(device)
@@ -65,6 +73,13 @@ class RecurrentStates:
         )
         self.in_use = np.zeros(max_slots, dtype=bool)
         self._journals: dict[int, RoundStates] = {}  # round id -> a launched round's journal
+        # the fused kernels where they run natively, their torch references elsewhere
+        from kernels import gated_delta_recurrent as gdr
+        from kernels.arch import kernels_available
+
+        native = kernels_available(self.device)
+        self.delta_rows = gdr.gated_delta_rows if native else gdr.gated_delta_rows_ref
+        self.replay = gdr.replay_journal if native else gdr.replay_journal_ref
 
     @classmethod
     def for_model(cls, model, max_slots: int) -> RecurrentStates:
@@ -77,6 +92,19 @@ class RecurrentStates:
         conv = (la.conv_kernel - 1) * la.conv_dim * dtype_bytes
         ssm = la.num_value_heads * la.key_head_dim * la.value_head_dim * 4
         return len(config.linear_layer_ids) * (conv + ssm)
+
+    @staticmethod
+    def journal_bytes_per_row(config: ModelConfig, dtype_bytes: int, compact: bool = True) -> int:
+        """Journal memory one SPEC row takes: the compact journal (its conv input, k, g, u),
+        or (`compact=False`) the states after the row that it replaces."""
+        la = config.linear_attn
+        if compact:
+            conv = la.conv_dim * dtype_bytes
+            delta = (la.key_dim + la.num_value_heads + la.value_dim) * 4
+        else:
+            conv = (la.conv_kernel - 1) * la.conv_dim * dtype_bytes
+            delta = la.num_value_heads * la.key_head_dim * la.value_head_dim * 4
+        return len(config.linear_layer_ids) * (conv + delta)
 
     @property
     def num_free(self) -> int:
@@ -111,21 +139,21 @@ class RecurrentStates:
         """The layout of one forward; its journal is kept under `round_id` until `commit`."""
         rs = _layout(self, slots, group_rows, num_draft)
         if len(rs.journal_seqs):
+            la, n, dev = self.config.linear_attn, self.num_layers, self.device
             j = len(rs.journal_rows)
-            rs.conv_journal = torch.empty(
-                (self.num_layers, j, *self.conv.shape[2:]),
-                dtype=self.conv.dtype,
-                device=self.device,
-            )
-            rs.ssm_journal = torch.empty(
-                (self.num_layers, j, *self.ssm.shape[2:]), dtype=torch.float32, device=self.device
-            )
+            rs.conv_journal = torch.empty((n, j, la.conv_dim), dtype=self.conv.dtype, device=dev)
+            f32 = dict(dtype=torch.float32, device=dev)
+            rs.k_journal = torch.empty((n, j, la.num_key_heads, la.key_head_dim), **f32)
+            rs.g_journal = torch.empty((n, j, la.num_value_heads), **f32)
+            rs.u_journal = torch.empty((n, j, la.num_value_heads, la.value_head_dim), **f32)
             self._journals[round_id] = rs
         return rs
 
     def commit(self, round_id: int, own: np.ndarray, num_accepted: np.ndarray) -> None:
-        """Selects, for each journaled group whose request still holds its slot (`own` [m]),
-        the state after its row `num_accepted` [m] (row 0 is the last committed token)."""
+        """Advances, for each journaled group whose request still holds its slot (`own` [m]),
+        the slot's state by its rows 0..`num_accepted` [m] (row 0 is the last committed
+        token): the conv state from the slot's and those rows' inputs, the delta state by
+        replaying their journal."""
         rs = self._journals.pop(round_id, None)
         if rs is None:
             return
@@ -133,10 +161,25 @@ class RecurrentStates:
         keep = own[seqs]
         if not keep.any():
             return
-        idx = torch.as_tensor(rs.journal_start[keep] + num_accepted[seqs[keep]], device=self.device)
-        slots = rs.slots[torch.as_tensor(seqs[keep], device=self.device)]
-        self.conv.index_copy_(1, slots, rs.conv_journal.index_select(1, idx))
-        self.ssm.index_copy_(1, slots, rs.ssm_journal.index_select(1, idx))
+        start = rs.journal_start[keep]  # [G]
+        num_rows = num_accepted[seqs[keep]].astype(np.int64) + 1  # [G]
+        slots = rs.host_slots[seqs[keep]]
+        # one upload: the replay's groups and the conv state's sources
+        width, num_groups = self.kernel - 1, len(start)
+        pos = num_rows[:, None] - width + np.arange(width)  # [G, K-1] input index, < 0: old
+        src = np.where(
+            pos >= 0,
+            num_groups * width + start[:, None] + pos,
+            np.arange(num_groups)[:, None] * width + width + pos,
+        )
+        packed = _dev(np.concatenate([slots, start, num_rows, src.ravel()]), self.device)
+        groups, conv_src = packed[: 3 * num_groups].view(3, -1), packed[3 * num_groups :]
+        slot_idx = groups[0]
+        old = self.conv.index_select(1, slot_idx).flatten(1, 2)  # [L, G (K-1), C]
+        inputs = torch.cat([old, rs.conv_journal], dim=1)  # [L, G (K-1) + J, C]
+        new = inputs.index_select(1, conv_src).view(self.num_layers, num_groups, width, -1)
+        self.conv.index_copy_(1, slot_idx, new)
+        self.replay(self.ssm, groups, rs.k_journal, rs.g_journal, rs.u_journal)
 
 
 def _layout(
@@ -162,32 +205,22 @@ def _layout(
     kept_index = source(kept[:, None], lens[kept, None] - width + np.arange(width))
 
     rec = np.flatnonzero(recurrent)
-    rec = rec[np.argsort(-lens[rec], kind="stable")]
     journal_seqs = np.flatnonzero(journaled)
     journal_start = np.concatenate([[0], np.cumsum(lens[journal_seqs])[:-1]]).astype(np.int64)
     start_of = np.full(m, -1, dtype=np.int64)
     start_of[journal_seqs] = journal_start
-    step_rows, step_journal = [], []
-    for step in range(int(lens[rec].max()) if len(rec) else 0):
-        active = rec[lens[rec] > step]  # a prefix of `rec`
-        step_rows.append(_dev(group_rows[active] + step, dev))
-        pos = np.flatnonzero(journaled[active])
-        step_journal.append(
-            (_dev(pos, dev), _dev(start_of[active[pos]] + step, dev)) if len(pos) else None
-        )
+    rec_seqs = np.stack([slots[rec], group_rows[rec], lens[rec], start_of[rec]])  # [4, r]
     chunk = np.flatnonzero(~recurrent)
     chunk_rows = [np.arange(group_rows[i], group_rows[i + 1]) for i in chunk]
     return RoundStates(
         states=states,
         num_rows=num_rows,
         slots=_dev(slots, dev),
+        host_slots=np.asarray(slots, dtype=np.int64),
         conv_index=_dev(conv_index, dev),
         kept_seqs=_dev(kept, dev),
         kept_index=_dev(kept_index, dev),
-        rec_slots=_dev(slots[rec], dev),
-        step_rows=step_rows,
-        step_journal=step_journal,
-        rec_kept=_dev(np.flatnonzero(~journaled[rec]), dev),
+        rec_seqs=_dev(rec_seqs, dev),
         chunk_slots=_dev(slots[chunk], dev),
         chunk_rows=_dev(np.concatenate(chunk_rows) if len(chunk) else np.zeros(0), dev),
         chunk_cu=np.concatenate([[0], np.cumsum(lens[chunk])]).astype(int).tolist(),

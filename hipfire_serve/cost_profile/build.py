@@ -33,6 +33,7 @@ from hipfire_serve.cost_profile.engine_steps import (
     time_engine_overhead,
     time_spec_round_ratio,
 )
+from hipfire_serve.cost_profile.hybrid import recurrent_section
 
 if TYPE_CHECKING:
     from hipfire_serve.engine import Engine
@@ -126,6 +127,8 @@ def build_profile(
       `max_catchup_passes`, `catchup_pass_rows` and `catchup_pass_buckets` for a graphed
       drafter's passes, by which the cost model prices catch-ups of any length;
     - `drafter_host`: a drafter without a model, its proposals' host time by requests;
+    - `target.recurrent` (hybrid targets): the recurrent state's bytes per sequence and the
+      journal's per SPEC row (`cost_profile.hybrid`), which the rounds above include;
     - `ceilings`: copy bandwidth and bf16 GEMM rate measured on the same device in the same run.
     """
     ex: RoundExecutor = engine.executor
@@ -257,6 +260,8 @@ def build_profile(
             "ar_restart_ms": ar_restart,
         },
     }
+    if cfg.is_hybrid:  # state bytes per sequence and journal bytes per SPEC row
+        profile["target"]["recurrent"] = recurrent_section(cfg, elt)
     draft_model = getattr(engine.drafter, "model", None)
     # (a synthetic drafter runs its inner drafter for the cost)
     inner = getattr(engine.drafter, "inner", engine.drafter)

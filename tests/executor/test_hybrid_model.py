@@ -60,18 +60,13 @@ def hf_logits(model_dir, model):
 
 
 class Runner:
-    """Model.forward over hand-made, scattered block tables, one state slot per sequence."""
+    """Model.forward over hand-made, scattered block tables, one state slot per sequence (on
+    the model's device; logits come back on the host)."""
 
     def __init__(self, model, num_seqs: int, max_len: int = 256):
         self.model = model
         per_seq = max_len // BLOCK
-        self.kv = KVCache.allocate(
-            model.config,
-            num_blocks=num_seqs * per_seq + 1,
-            block_size=BLOCK,
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-        )
+        self.kv = KVCache.for_model(model, num_blocks=num_seqs * per_seq + 1, block_size=BLOCK)
         perm = torch.randperm(num_seqs * per_seq, generator=torch.Generator().manual_seed(1))
         self.tables = (perm + 1).view(num_seqs, per_seq).to(torch.int32)
         self.states = RecurrentStates.for_model(model, num_seqs + 1)
@@ -98,12 +93,13 @@ class Runner:
             seqs.append(s)
             if s not in drafts:
                 self.lens[s] += len(toks)
+        dev = self.model.device
         meta = AttnMetadata(
-            positions=torch.tensor(pos),
-            slot_mapping=torch.tensor(slots),
-            cu_q_lens=torch.tensor(cu, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=self.tables[seqs],
+            positions=torch.tensor(pos, device=dev),
+            slot_mapping=torch.tensor(slots, device=dev),
+            cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=self.tables[seqs].to(dev),
         )
         self.round_id += 1
         rs = self.states.begin_round(
@@ -113,8 +109,9 @@ class Runner:
             np.array([drafts.get(s, 0) for s in seqs]),
         )
         with torch.no_grad():
-            hidden = self.model.forward(torch.tensor(ids), meta, self.kv.k, self.kv.v, states=rs)
-            logits = self.model.logits(hidden)
+            ids_dev = torch.tensor(ids, device=dev)
+            hidden = self.model.forward(ids_dev, meta, self.kv.k, self.kv.v, states=rs)
+            logits = self.model.logits(hidden).cpu()
         return [logits[cu[i] : cu[i + 1]] for i in range(len(seqs))]
 
     def commit(self, seqs: list[int], accepted: list[int]) -> None:
@@ -263,3 +260,24 @@ def test_journal_commit_selects_the_state_after_each_accepted_length(
     torch.testing.assert_close(spec.states.ssm, ar.states.ssm, atol=1e-5, rtol=1e-5)
     nxt = ids[prompt_len + accepted + 1 : prompt_len + accepted + 3]
     torch.testing.assert_close(spec.run({0: nxt})[0], ar.run({0: nxt})[0], atol=ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+def test_on_gpu_chunks_ar_rows_and_a_committed_group_match_transformers(model_dir, hf_logits):
+    """The same checkpoint on CUDA: the Triton ops and the fused delta-rule kernels (verify
+    rows and the journal's replay at commit) against transformers on the CPU."""
+    model = load_model(model_dir, dtype="float32", device="cuda")
+    assert model.device.type == "cuda"
+    (a, b), (ref_a, ref_b) = hf_logits
+    r = Runner(model, 2)
+    r.run({0: a[:70], 1: b[:20]})
+    out = r.run({0: a[70:76], 1: b[20:21]}, drafts={0: 5})
+    tol = dict(atol=2e-3, rtol=0)  # TF32 products in the GPU's attention and GEMMs
+    torch.testing.assert_close(out[0], ref_a[70:76], **tol)
+    torch.testing.assert_close(out[1], ref_b[20:21], **tol)
+    r.commit([0], [2])
+    out = r.run({0: a[73:80], 1: b[21:40]})
+    torch.testing.assert_close(out[0], ref_a[73:80], **tol)
+    torch.testing.assert_close(out[1], ref_b[21:40], **tol)
+    for t in range(80, 90):
+        torch.testing.assert_close(r.run({0: [a[t]]})[0], ref_a[t : t + 1], **tol)
