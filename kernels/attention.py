@@ -139,6 +139,7 @@ def verify_attention(
         max_q_len=max_q_len,
         rows_per_tile=rows_per_tile,
         num_splits=num_splits,
+        head_dim=head_dim,
     )
     return _run(
         q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch, causal
@@ -216,6 +217,7 @@ def compile_variants(
         max_seqs=max_seqs,
         max_q_len=max_q_len,
         max_kv_len=max_kv_len,
+        head_dim=head_dim,
     )
     for launch, num_seqs in variants.values():
         # one tile's rows per sequence (the key's sequence-search width needs the count)

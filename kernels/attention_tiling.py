@@ -147,6 +147,7 @@ def plan_launch(
     max_q_len: int | None = None,
     rows_per_tile: int | None = None,
     num_splits: int | None = None,
+    head_dim: int = 128,
 ) -> AttentionLaunch:
     """Tile, splits, warps and stages for a call (see `verify_attention` for the arguments):
     the one place that reads the arch table's tiles, from host-known shapes only (so a captured
@@ -166,6 +167,8 @@ def plan_launch(
       length) below the count that fills the program slots: such a grid leaves slots free
       (batch 1 at long context), so a deeper pipeline per program pays off, while a grid that
       fills the slots keeps the stage count they were counted at.
+    - Registers: the table's per-thread caps hold for heads of up to 128 dims; a wider head's
+      accumulators do not fit them (ptxas refuses), so the compiler chooses.
     """
     tiles = arch_config(device).attention
     group = num_q_heads // num_kv_heads
@@ -204,7 +207,7 @@ def plan_launch(
         num_tiles=triton.cdiv(num_rows, rows_per_tile) + num_seqs,
         lazy_rescale=bool(tiles.lazy_rescale),
         pipeline_qk=bool(tiles.pipeline_qk),
-        max_regs=tiles.max_regs_large if large else tiles.max_regs,
+        max_regs=(tiles.max_regs_large if large else tiles.max_regs) if head_dim <= 128 else 0,
     )
 
 
@@ -235,6 +238,7 @@ def reachable_variants(
     max_seqs: int,
     max_q_len: int,
     max_kv_len: int,
+    head_dim: int = 128,
 ) -> dict[tuple, tuple[AttentionLaunch, int]]:
     """Every compiled variant `plan_launch` can pick for rounds of up to `max_seqs` sequences
     with up to `max_q_len` rows each (uniform groups, and one long group beside single rows)
@@ -258,6 +262,7 @@ def reachable_variants(
                         num_kv_heads=num_kv_heads,
                         max_kv_len=kv_len,
                         max_q_len=q_len,
+                        head_dim=head_dim,
                     )
                     found.setdefault(variant_key(launch, num_seqs), (launch, num_seqs))
     return found

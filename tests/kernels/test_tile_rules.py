@@ -82,6 +82,15 @@ def test_hopper_picks(h200, shape, pick):
     assert launch.max_regs == (128 if launch.block_m > 64 else 0)
 
 
+def test_wide_heads_leave_registers_to_the_compiler(h200):
+    """The 128-register cap of 8-warp tiles fits 128-dim heads; a 256-dim head's tile does not
+    compile under it, so its launches carry no cap (tiles and splits as for any head)."""
+    narrow = _plan(h200, 64, 1024, 16, 8)
+    wide = _plan(h200, 64, 1024, 16, 8, head_dim=256)
+    assert narrow.block_m == wide.block_m == 128 and narrow.max_regs == 128
+    assert wide.max_regs == 0 and wide.num_splits == narrow.num_splits
+
+
 def test_a_given_tile_or_split_count_is_kept(h200):
     # Rows per tile given by the caller: no fall back, however small the grid.
     forced = _plan(h200, 1, 1024, 16, 8, rows_per_tile=16)
