@@ -27,6 +27,7 @@ from loadtests.lab.peer.report import build_record, merge_records, summary_table
 from loadtests.lab.peer.roofline import wave_roofline
 from loadtests.lab.peer.shape import (
     DTYPE_BYTES,
+    NO_PEER_CONFIG,
     dtype_of,
     hf_config,
     num_params,
@@ -229,7 +230,13 @@ def measure(cfg: PeerConfig, args: argparse.Namespace, t_start: float, save) -> 
         return None
     engines = list(cfg.engines)
     missing = {}
-    why = _vllm_missing(cfg, args.vllm_pythonpath)
+    if "vllm" in engines and shape.arch in NO_PEER_CONFIG:
+        engines.remove("vllm")
+        missing["vllm"] = f"no vLLM config is written for {shape.arch}"
+        print(f"{PROG}: vllm not run: {missing['vllm']}", file=sys.stderr, flush=True)
+        if not engines:
+            return None
+    why = _vllm_missing(cfg, args.vllm_pythonpath) if "vllm" in engines else None
     if why is not None:
         engines.remove("vllm")
         alone = f"; measuring {', '.join(engines)} alone" if engines else ""
@@ -247,7 +254,7 @@ def measure(cfg: PeerConfig, args: argparse.Namespace, t_start: float, save) -> 
         "dtype": dtype,
         "num_params": num_params(shape),
         "kv_bytes_per_token": shape.kv_bytes_per_token(DTYPE_BYTES[dtype]),
-        "hf_config": hf_config(shape),
+        "hf_config": None if shape.arch in NO_PEER_CONFIG else hf_config(shape),
     }
     commit = args.commit or git_commit()
     deadline_all = t_start + cfg.time_budget_s - REPORT_RESERVE_S
@@ -272,7 +279,12 @@ def measure(cfg: PeerConfig, args: argparse.Namespace, t_start: float, save) -> 
         random_weights = cfg.model.startswith("random:")
         # children run in the repository's root: a checkpoint goes to them as an absolute path
         model_path = cfg.model if random_weights else str(Path(cfg.model).resolve())
-        vllm_model = write_hf_config(shape, tmp / "hf") if random_weights else Path(model_path)
+        if not random_weights:
+            vllm_model = Path(model_path)
+        elif "vllm" in engines:
+            vllm_model = write_hf_config(shape, tmp / "hf")
+        else:
+            vllm_model = tmp / "hf"  # not read: vLLM does not run
         for i, engine in enumerate(engines):
             share = (deadline_all - time.time()) / (len(engines) - i)
             spec = {

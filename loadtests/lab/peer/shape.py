@@ -15,6 +15,8 @@ MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
 }
+# shapes vLLM is not given (no config.json of them is written): this engine runs them alone
+NO_PEER_CONFIG = ("Qwen3_5ForCausalLM",)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -62,13 +64,33 @@ def write_hf_config(cfg: ModelConfig, folder: Path) -> Path:
 
 
 def num_params(cfg: ModelConfig) -> int:
-    """Parameters of the model, counted as `executor.model.Model.num_params` counts them."""
+    """Parameters of the model, counted as `executor.model.Model.num_params` counts them: a
+    hybrid target's linear-attention layers (in/out projections, conv, decay and norm weights)
+    beside its full-attention ones (whose q projection also holds the output gate)."""
     h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    per_layer = 2 * h + (q + 2 * kv) * h + q * h + 3 * cfg.intermediate_size * h
-    per_layer += (q + 2 * kv) if cfg.qkv_bias else 0
-    per_layer += 2 * cfg.head_dim if cfg.qk_norm else 0
+    mlp_norms = 2 * h + 3 * cfg.intermediate_size * h
+    q_out = 2 * q if cfg.attn_output_gate else q
+    attn = (q_out + 2 * kv) * h + q * h
+    attn += (q_out + 2 * kv) if cfg.qkv_bias else 0
+    attn += 2 * cfg.head_dim if cfg.qk_norm else 0
+    num_linear = len(cfg.linear_layer_ids) if cfg.is_hybrid else 0
+    linear = 0
+    if num_linear:
+        la = cfg.linear_attn
+        nv = la.num_value_heads
+        linear = (la.conv_dim + la.value_dim + 2 * nv) * h + la.value_dim * h
+        linear += la.conv_kernel * la.conv_dim + 2 * nv + la.value_head_dim
     embed = cfg.vocab_size * h
-    return embed * (1 if cfg.tie_word_embeddings else 2) + h + cfg.num_layers * per_layer
+    layers = cfg.num_layers * mlp_norms + (cfg.num_layers - num_linear) * attn
+    return embed * (1 if cfg.tie_word_embeddings else 2) + h + layers + num_linear * linear
+
+
+def state_bytes_per_seq(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """A hybrid target's recurrent state per sequence, which a decode step reads and writes
+    once; 0 for other targets."""
+    from executor.recurrent_state import RecurrentStates
+
+    return RecurrentStates.bytes_per_slot(cfg, dtype_bytes) if cfg.is_hybrid else 0
 
 
 def step_weight_bytes(cfg: ModelConfig, dtype_bytes: int, num_seqs: int) -> int:
@@ -82,7 +104,8 @@ def step_weight_bytes(cfg: ModelConfig, dtype_bytes: int, num_seqs: int) -> int:
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters a row multiplies through (2 FLOPs each): all but the input embedding and norms."""
     h = cfg.hidden_size
-    norms = cfg.num_layers * (2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)) + h
+    num_attn = cfg.num_layers - (len(cfg.linear_layer_ids) if cfg.is_hybrid else 0)
+    norms = 2 * h * cfg.num_layers + (2 * cfg.head_dim * num_attn if cfg.qk_norm else 0) + h
     input_embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
     return num_params(cfg) - norms - input_embed
 

@@ -175,13 +175,32 @@ def test_shape_for_vllm_round_trips(tmp_path):
     assert "VLLM_USE_FLASHINFER_SAMPLER" not in child_env("hipfire", "/a:/b")
 
 
-def test_num_params_counts_as_the_model_does():
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3.5"])
+def test_num_params_counts_as_the_model_does(name):
     import torch
 
     from executor.random_model import random_model
 
-    model = random_model("tiny", device=torch.device("cpu"), dtype=torch.float32)
-    assert num_params(PRESETS["tiny"]) == model.num_params
+    model = random_model(name, device=torch.device("cpu"), dtype=torch.float32)
+    assert num_params(PRESETS[name]) == model.num_params
+
+
+def test_hybrid_roofline_moves_the_recurrent_state():
+    from executor.recurrent_state import RecurrentStates
+
+    shape = PRESETS["qwen3.5-27b"]
+    assert 26.8e9 < num_params(shape) < 27.0e9  # Qwen3.5-27B's text model
+    ceilings = {"copy_read_plus_write_TBps": 4.0, "bf16_gemm_TFLOPs": 800.0}
+    cfg = PeerConfig(model="random:qwen3.5-27b", concurrency=(1, 64), decode_tokens=127)
+    for row in wave_roofline(cfg, shape, "bfloat16", ceilings):
+        state = 2 * row["C"] * RecurrentStates.bytes_per_slot(shape, 2)
+        assert row["state_bytes"] == state > 0
+        moved = row["weight_bytes"] + row["kv_bytes"] + state
+        assert row["bytes_ms"] == pytest.approx(moved / 4e12 * 1e3)
+    assert (
+        wave_roofline(PeerConfig(), PRESETS["qwen3-8b"], "bfloat16", ceilings)[0]["state_bytes"]
+        == 0
+    )
 
 
 # -- the chat driver on a fake engine --------------------------------------------------------
