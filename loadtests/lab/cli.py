@@ -60,6 +60,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "peer-vllm": ("loadtests.lab.peer.main", "main", "side by side with vLLM: same shape, prompts"),
     "pdl": ("loadtests.lab.kernels.pdl", "main", "programmatic dependent launch on graphed decode"),
+    "phase-profile": ("loadtests.lab.phase_profile", "main", "decode step device time by phase"),
 }
 
 
