@@ -81,7 +81,7 @@ def profile_point(backend, cfg: PhaseConfig, c: int, vocab: int, use_cuda: bool)
     prompts = wave_prompts(cfg.peer_config(), c, vocab)
     wave = Wave(backend, c)
     t0 = time.perf_counter()
-    wave.add(prompts, cfg.max_tokens, f"ph{c}")
+    wave.add(prompts, cfg.max_tokens(c), f"ph{c}")
     wave.until(lambda: all(wave.got.values()), "the prefill")
     prefill_s = time.perf_counter() - t0
     wave.window(cfg.warmup_steps)

@@ -29,11 +29,12 @@ class PhaseConfig:
     vllm_gpu_memory_utilization: float = 0.0  # 0: vLLM's default
     time_budget_s: float = 480.0  # the whole call; points that would not fit are skipped
 
-    @property
-    def max_tokens(self) -> int:
-        """Each request's output: the first token, the warm-up, both windows and a short tail
-        (requests finish after the profiled window, never inside it)."""
-        return 1 + self.warmup_steps + 2 * self.steps + 4
+    def max_tokens(self, num_seqs: int) -> int:
+        """Each request's output: the first token, the warm-up, both windows and a short tail,
+        plus room for the tokens the first requests decode while the last ones still prefill
+        (a round prefills 512 tokens at least), so no request finishes inside a window."""
+        prefill_rounds = -(-num_seqs * self.prompt_len[1] // 512)
+        return 1 + self.warmup_steps + 2 * self.steps + 4 + prefill_rounds
 
     def peer_config(self) -> PeerConfig:
         """The `PeerConfig` the children build their engines and prompts from. Its
