@@ -59,6 +59,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "skinny linear layer vs cuBLAS, config sweep",
     ),
     "peer-vllm": ("loadtests.lab.peer.main", "main", "side by side with vLLM: same shape, prompts"),
+    "quant": (
+        "loadtests.lab.quant_bench",
+        "main",
+        "plain decoding in bf16, FP8 and W4A16 against each format's roofline",
+    ),
     "pdl": ("loadtests.lab.kernels.pdl", "main", "programmatic dependent launch on graphed decode"),
     "phase-profile": ("loadtests.lab.phase_profile", "main", "decode step device time by phase"),
 }
