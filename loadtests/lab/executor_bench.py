@@ -9,7 +9,8 @@ round with rounds launched ahead, everything between rounds included), and one r
 (whole `RoundExecutor.run` calls: host build, graph replay, acceptance, commit) for AR rounds of
 1..256 rows and speculative rounds of 8-row groups up to 512 rows. Roofline of a round =
 max(bytes / copy bandwidth, FLOPs / bf16 GEMM rate) with bytes = weights + KV read, FLOPs =
-2 * params * rows + attention, both ceilings measured by this script on the same GPU. GPU idle:
+2 * params * rows + attention, both ceilings measured by this script on the same GPU; a hybrid
+target's round also moves its recurrent state and journal (`cost_profile.hybrid`). GPU idle:
 the engine loop at C concurrent decoding requests under a torch profiler; idle = 1 - (union of
 kernel intervals) / wall time, split into gaps of >= 20 us (the device waiting for the host) and
 shorter ones (between kernels launched back to back).
@@ -29,11 +30,22 @@ AR_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SPEC_ROWS = (64, 128, 256, 512)  # 8-row groups
 
 
-def roofline_ms(engine, num_rows: int, kv_tokens: int, ceilings: dict) -> float:
+def roofline_ms(
+    engine, num_rows: int, kv_tokens: int, ceilings: dict, rows_per_seq: int = 1
+) -> float:
+    from hipfire_serve.cost_profile.hybrid import recurrent_round_bytes, recurrent_section
+
     cfg = engine.target.config
     elt = engine.target.weights.embed.element_size()
     weight_bytes = engine.target.num_params * elt
     kv_bytes = kv_tokens * cfg.kv_bytes_per_token(elt)
+    if cfg.is_hybrid:  # the state read and written per sequence, the journal per row
+        section = recurrent_section(cfg, elt)
+        seqs = -(-num_rows // rows_per_seq)
+        if rows_per_seq == 1:
+            kv_bytes += recurrent_round_bytes(section, seqs)
+        else:
+            kv_bytes += recurrent_round_bytes(section, 0, [rows_per_seq] * seqs)
     dense_flops = 2 * engine.target.num_params * num_rows
     # q.k and p.v per row over its context (upper bound: every row sees the whole context)
     attn_flops = 4 * num_rows * (kv_tokens / max(num_rows, 1)) * cfg.q_size * cfg.num_layers
@@ -148,7 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-rounds", type=int, default=40)
     ap.add_argument("--loop-concurrency", type=int, nargs="+", default=list(AR_ROWS), metavar="C")
     ap.add_argument("--loop-rounds", type=int, default=30)
+    ap.add_argument("--ar-rows", type=int, nargs="*", default=list(AR_ROWS))
+    ap.add_argument("--spec-rows", type=int, nargs="*", default=list(SPEC_ROWS))
+    ap.add_argument("--spec-depth", type=int, default=8, help="rows of a speculative group")
+    ap.add_argument("--max-concurrency", type=int, default=256)
+    ap.add_argument("--kv-cache-memory", default="48GiB")
+    ap.add_argument("--graphs", default="lazy", help="lazy or off (a hybrid target has none)")
     ap.add_argument("--out", default="docs/perf")
+    ap.add_argument("--name", default="executor", help="the record's file names: NAME.md, .json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("executor_bench: needs a CUDA/HIP GPU")
@@ -161,23 +180,25 @@ def main(argv: list[str] | None = None) -> int:
             draft="ngram",
             device="cuda",
             dtype="bfloat16",
-            max_concurrency=256,
-            spec_depth=8,
-            kv_cache_memory="48GiB",
-            graphs="lazy",
+            max_concurrency=args.max_concurrency,
+            spec_depth=args.spec_depth,
+            kv_cache_memory=args.kv_cache_memory,
+            graphs=args.graphs,
             max_model_len=4096,
             spec_mode="ar",
         )
     )
-    timer = RoundTimer(engine.executor, 8)
+    depth = args.spec_depth
+    graphs = "on" if engine.executor.graphs is not None else "off"
+    timer = RoundTimer(engine.executor, depth)
     rows_out = []
-    for mode, rows, per_seq in [("ar", r, 1) for r in AR_ROWS] + [
-        ("spec", r, 8) for r in SPEC_ROWS
+    for mode, rows, per_seq in [("ar", r, 1) for r in args.ar_rows] + [
+        ("spec", r, depth) for r in args.spec_rows
     ]:
         ms = timer.time_round(r := rows, args.kv_len, args.repeats, rows_per_seq=per_seq)
         num_seqs = r // per_seq
         kv_tokens = num_seqs * args.kv_len
-        roof = roofline_ms(engine, r, kv_tokens, ceilings)
+        roof = roofline_ms(engine, r, kv_tokens, ceilings, per_seq)
         rows_out.append(
             {
                 "mode": mode,
@@ -195,11 +216,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{roof:7.3f} ms  x{ms / roof:5.2f}  {rows_out[-1]['phases_ms']}",
             flush=True,
         )
-    # Where the device time of one 64-row AR round goes, kernel by kernel.
+    # Where the device time of one AR round of 64 rows (or the most measured) goes, by kernel.
     from torch.profiler import ProfilerActivity, profile
 
+    profiled_rows = min(64, max(args.ar_rows, default=64))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timer.time_round(64, args.kv_len, 3)
+        timer.time_round(profiled_rows, args.kv_len, 3)
     kernel_table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
     print(kernel_table)
     # The engine's own loop: AR decode rounds of C requests back to back, rounds launched
@@ -217,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     idle = {}
-    for overlap in (True, False):
+    for overlap in (True, False) if args.idle_concurrency else ():
         engine.config = engine.config.replace(overlap_rounds=overlap)
         idle["overlap" if overlap else "serial"] = engine_loop(
             engine, args.idle_concurrency, args.kv_len, args.idle_rounds, profile_idle=True
@@ -229,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "model": args.model,
         "kv_len": args.kv_len,
+        "spec_depth": depth,
+        "graphs": graphs,
         "ceilings": ceilings,
         "rounds": rows_out,
         "engine_loop": loop_rows,
@@ -238,14 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "executor.json").write_text(json.dumps(record, indent=1))
-    worst = max(r["ratio"] for r in rows_out)
+    (out / f"{args.name}.json").write_text(json.dumps(record, indent=1))
+    worst = max((r["ratio"] for r in rows_out), default=float("nan"))
     worst_loop = max((r["ratio"] for r in loop_rows), default=float("nan"))
     lines = [
         "# Round executor: round time against the roofline",
         "",
         f"Measured on {record['gpu']}, {record['date']}, torch {record['torch']}, by "
-        "`hipfire-bench executor` (JSON: `executor.json`).",
+        f"`hipfire-bench executor` (JSON: `{args.name}.json`), graphs {graphs}.",
         "",
         f"Ceilings measured in the same run: copy {ceilings['copy_read_plus_write_TBps']} TB/s "
         f"(read + write), bf16 GEMM {ceilings['bf16_gemm_TFLOPs']} TFLOP/s. Model "
@@ -268,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Worst ratio in the loop: {worst_loop:.2f} (target <= 1.3).",
         "",
         "One round alone (`RoundExecutor.run`: launch, wait, commit; nothing overlaps it), AR "
-        "rows and speculative 8-row groups (the drafts cost nothing here):",
+        f"rows and speculative {depth}-row groups (the drafts cost nothing here):",
         "",
         "| mode | rows | seqs | round ms | roofline ms | ratio |",
         "|---|---:|---:|---:|---:|---:|",
@@ -299,13 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += [
         "",
-        "Device time of a 64-row AR round by kernel (torch profiler, 3 rounds + warm-up):",
+        f"Device time of a {profiled_rows}-row AR round by kernel (torch profiler, 3 rounds + "
+        "warm-up):",
         "",
         "```",
         kernel_table.rstrip(),
         "```",
     ]
-    (out / "executor.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
