@@ -1,12 +1,14 @@
-"""FP8 (e4m3) linear layers, W8A8: float8 weights [N, K] with float32 scales, per tensor ([] or
+"""FP8 (e4m3) linear layers: float8 weights [N, K] with float32 scales, per tensor ([] or
 [1]), per output channel ([N] or [N, 1]) or per [bn, bk] block ([ceil(N / bn), ceil(K / bk)],
 the `weight_scale_inv` of Qwen3's and DeepSeek's FP8 releases, a multiplier despite its name).
 
 On a CPU the loader dequantizes every FP8 weight into the model's dtype (`dequantize_fp8`). On
-a GPU an `Fp8Linear` keeps the weight in FP8 with one scale per output channel and multiplies
-through `torch._scaled_mm`, each activation row scaled to FP8 at run time (its own absmax); a
-block-scaled weight is requantized to per-channel scales at load for it, an approximation of
-the checkpoint (one more FP8 rounding per weight). The GPU path has not been run on a GPU.
+a GPU an `Fp8Linear` keeps the weight in FP8 with one scale per output channel (a block-scaled
+weight is requantized to per-channel scales at load, an approximation of the checkpoint: one
+more FP8 rounding per weight). Decode-sized products (1-16 rows) run the W8A16 skinny kernel of
+`kernels/fp8_linear.py`, which streams the weight once and leaves the activations in their
+dtype; more rows multiply through `torch._scaled_mm` (W8A8), each activation row scaled to FP8
+at run time (its own absmax). Neither GPU path has been run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -92,7 +94,13 @@ class Fp8Linear(QuantLinear):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if kernels and x.is_cuda:
-            out = scaled_mm_linear(x2, self.weight, self.scale, bias)
+            from kernels import fp8_linear as k
+
+            if 1 <= x2.shape[0] <= k.SKINNY_MAX_ROWS:  # decode: W8A16, the weight read once
+                out = k.fp8_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight,
+                                   self.scale, bias)  # fmt: skip
+            else:
+                out = scaled_mm_linear(x2, self.weight, self.scale, bias)
         else:
             out = torch.nn.functional.linear(x2, self.dequantize().to(x.dtype), bias)
         return out.reshape(*lead, self.out_features)

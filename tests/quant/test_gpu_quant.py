@@ -1,9 +1,9 @@
 """GPU checks of the quantized linear layers as the loader builds them: the int4 kernels (the
 device family's `INT4_TILES`, bf16) against their torch reference at the Qwen3-8B projections'
-shapes and row counts of both kernels; the FP8 W8A8 product (`torch._scaled_mm`, row-wise)
-against the dequantized weight; both layers, and a tiny model's decode step in each layout,
-replayed from a CUDA graph; the tiny model's logits against the torch reference path; the
-engine serving each layout with its decode graphs."""
+shapes and row counts of both kernels; the FP8 product (the W8A16 skinny kernel up to 16 rows,
+W8A8 `torch._scaled_mm` row-wise past them) against the dequantized weight; both layers, and a
+tiny model's decode step in each layout, replayed from a CUDA graph; the tiny model's logits
+against the torch reference path; the engine serving each layout with its decode graphs."""
 
 from __future__ import annotations
 
@@ -108,16 +108,24 @@ def _prompt_logits(model, ids: list[int]) -> torch.Tensor:
     return model.logits(hidden)  # [len(ids), vocab]
 
 
+# (layout kind, prompt rows) -> the largest relative logit error allowed: 12 rows take the
+# skinny kernels (weights exact, bf16 roundings only); 40 rows take int4's tiled kernel, or for
+# FP8 `torch._scaled_mm` with the activations rounded to e4m3 (3 mantissa bits) at every layer
+LOGIT_TOLERANCE = {("gptq", 12): 0.03, ("fp8", 12): 0.03, ("gptq", 40): 0.05, ("fp8", 40): 0.1}
+
+
+@pytest.mark.parametrize("rows", [12, 40])
 @pytest.mark.parametrize("layout", TINY_LAYOUTS, ids=lambda lay: lay.kind)
-def test_tiny_model_kernels_match_the_reference_path(layout):
+def test_tiny_model_kernels_match_the_reference_path(layout, rows):
     dense = random_model("tiny", device=DEVICE, dtype=torch.bfloat16)
     kernels = quantized_model(dense, layout)
     reference = quantized_model(dense, layout, ops_backend="torch")
     assert kernels.quantized and kernels.ops.linear is not torch.nn.functional.linear
-    ids = [(7 * i + 3) % 500 + 5 for i in range(40)]
+    ids = [(7 * i + 3) % 500 + 5 for i in range(rows)]
     got, want = _prompt_logits(kernels, ids), _prompt_logits(reference, ids)
     rel = (got - want).norm(dim=1) / want.norm(dim=1)
-    assert rel.max().item() < 0.05, rel.max().item()
+    print(f"{layout.kind} rows={rows}: max relative logit error {rel.max().item():.4f}")
+    assert rel.max().item() < LOGIT_TOLERANCE[layout.kind, rows], rel.max().item()
 
 
 @pytest.mark.parametrize("layout", TINY_LAYOUTS, ids=lambda lay: lay.kind)
