@@ -1,7 +1,9 @@
 """Paged KV cache tensors. Block *ids* are handed out by `scheduler.kv_blocks.BlockPool`; this
 module only owns the memory: per KV layer `k, v [num_blocks, block_size, num_kv_heads, head_dim]`.
 KV layers are the model's attention layers (`ModelConfig.kv_layer_ids`): a hybrid target's
-linear-attention layers keep recurrent state instead and take no KV."""
+linear-attention layers keep recurrent state instead and take no KV. The tensors hold the
+model's dtype, or float8_e4m3fn (`--kv-cache-dtype fp8`: one byte per element, so a budget holds
+twice the tokens of bf16; values scaled per KV head, `executor/kv_scales.py`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from executor.model_config import ModelConfig
+from kernels.kv_fp8 import FP8_KV_DTYPE
 
 if TYPE_CHECKING:
     from executor.model import Model
@@ -34,6 +37,42 @@ def parse_bytes(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read a size from {text!r} (examples: 8GiB, 512MiB, 2000000000)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is fp8_e4m3, as vLLM names them
+
+
+def fp8_kv_unsupported(device: torch.device) -> str | None:
+    """Why an FP8 KV cache cannot run on `device`, or None where it can: the Triton kernels
+    convert float8_e4m3fn natively on NVIDIA from compute capability 8.9 and on AMD; the CPU
+    runs the torch references."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) >= (8, 9):
+        return None
+    name = torch.cuda.get_device_name(index)
+    return (
+        f"{name} is compute capability {major}.{minor} and the kernels' float8_e4m3fn needs "
+        "8.9 or newer (Ada, Hopper, Blackwell): use --kv-cache-dtype auto"
+    )
+
+
+def resolve_kv_cache_dtype(
+    name: str, model_dtype: torch.dtype | None, device: torch.device
+) -> torch.dtype | None:
+    """The KV tensors' dtype for `--kv-cache-dtype name` ('auto': `model_dtype`); ValueError in
+    one line for a value that is not one or a device where FP8 cannot run."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        choices = ", ".join(KV_CACHE_DTYPES)
+        raise ValueError(f"--kv-cache-dtype must be one of {choices}, got {name!r}")
+    reason = fp8_kv_unsupported(device)
+    if reason is not None:
+        raise ValueError(f"--kv-cache-dtype {name} cannot run on {device}: {reason}")
+    return FP8_KV_DTYPE
 
 
 def auto_kv_budget(device: torch.device, fraction: float = 0.85) -> int:
@@ -70,12 +109,12 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model: Model, *, num_blocks: int, block_size: int) -> KVCache:
-        """A cache for `model`'s layers in its dtype, on its device."""
+        """A cache for `model`'s layers in its KV cache dtype, on its device."""
         return cls.allocate(
             model.config,
             num_blocks=num_blocks,
             block_size=block_size,
-            dtype=model.dtype,
+            dtype=model.kv_cache_dtype,
             device=model.device,
         )
 
@@ -84,7 +123,8 @@ class KVCache:
         configs: list[ModelConfig], budget_bytes: int, block_size: int, dtype: torch.dtype
     ) -> int:
         """Blocks that fit the budget when every model in `configs` (target, draft) keeps one
-        cache indexed by the same block ids."""
+        cache of `dtype` (the caches' element type, not the weights') indexed by the same block
+        ids."""
         elt = torch.tensor([], dtype=dtype).element_size()
         per_block = sum(c.kv_bytes_per_token(elt) for c in configs) * block_size
         return max(budget_bytes // per_block, 0)

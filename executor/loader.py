@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from safetensors import safe_open
 
 from executor.gguf.files import find_gguf_file
 from executor.hybrid_loader import IGNORED_PREFIXES, hybrid_weights
+from executor.kv_scales import take_kv_scales
 from executor.model import LayerWeights, Model, ModelWeights
 from executor.model_config import ModelConfig, ModelLoadError, load_model_config
 from executor.quant.linear import QuantLinear
@@ -72,8 +74,13 @@ def load_weights(
     sd: dict[str, torch.Tensor] | None = None,
 ) -> ModelWeights:
     """The model's weights from the directory's safetensors (or from `sd`, HF-named); linear
-    layers stay packed where `scheme` says the checkpoint is quantized (executor/quant)."""
+    layers stay packed where `scheme` says the checkpoint is quantized (executor/quant). The
+    checkpoint's FP8 KV cache scales, where it has them, come along (`executor/kv_scales.py`)."""
     sd = read_state_dict(model_dir) if sd is None else sd
+    # a hybrid's released layout keeps its text model under model.language_model.
+    nested = any(n.startswith("model.language_model.") for n in sd)
+    prefix = "model.language_model." if nested else "model."
+    kv_scales = take_kv_scales(sd, config, device, prefix + "layers.")
 
     def t(name: str) -> torch.Tensor:
         return take_weight(sd, name).to(device=device, dtype=dtype).contiguous()
@@ -83,7 +90,8 @@ def load_weights(
         return take_linear(sd, list(prefixes), scheme, dtype, device)
 
     if config.is_hybrid:
-        return hybrid_weights(sd, config, t, quantized=scheme is not None)
+        weights = hybrid_weights(sd, config, t, quantized=scheme is not None)
+        return dataclasses.replace(weights, kv_scales=kv_scales)
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -119,7 +127,11 @@ def load_weights(
         lm_head = lin("lm_head")  # dense: drafters share it through their own GEMM
         lm_head = lm_head.dequantize() if isinstance(lm_head, QuantLinear) else lm_head
     return ModelWeights(
-        embed=embed, layers=tuple(layers), final_norm=t("model.norm.weight"), lm_head=lm_head
+        embed=embed,
+        layers=tuple(layers),
+        final_norm=t("model.norm.weight"),
+        lm_head=lm_head,
+        kv_scales=kv_scales,
     )
 
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from executor.hidden_capture import HiddenCapture
+from executor.kv_scales import KVScales
 from executor.linear_attention import LinearAttnWeights, linear_attention
 from executor.model_config import ModelConfig
 from executor.ops import select_ops, skinny_linear_enabled
-from executor.quant.linear import QuantLinear, is_quantized, quant_linear
+from executor.quant.linear import QuantLinear, is_quantized, quant_linear, weight_nbytes
 from executor.recurrent_state import RoundStates
 from executor.rope import build_cos_sin_cache
 
@@ -46,6 +47,7 @@ class ModelWeights:
     layers: tuple[LayerWeights, ...]
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
+    kv_scales: KVScales | None = None  # the checkpoint's FP8 KV cache scales; None: all 1.0
 
 
 @dataclass(frozen=True)
@@ -87,15 +89,28 @@ class Model:
         self.scale = config.head_dim**-0.5
         # layer -> its entry in the KV cache's lists (linear-attention layers have none)
         self.kv_index = {layer: j for j, layer in enumerate(config.kv_layer_ids)}
+        # The KV caches made for this model hold this dtype (the engine may set float8_e4m3fn);
+        # an FP8 cache is read and written with the scales, which other caches ignore.
+        self.kv_cache_dtype = dtype
+        self.kv_scales = weights.kv_scales or KVScales.ones(config, device)
 
-    @property
-    def num_params(self) -> int:
+    def _weight_tensors(self) -> list[torch.Tensor | QuantLinear]:
         w = self.weights
         tensors = [w.embed, w.final_norm] + ([] if w.lm_head is w.embed else [w.lm_head])
         for lw in w.layers:
             parts = vars(lw) | (vars(lw.linear_attn) if lw.linear_attn is not None else {})
             tensors += [t for t in parts.values() if isinstance(t, torch.Tensor | QuantLinear)]
-        return sum(t.numel() for t in tensors)
+        return tensors
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.numel() for t in self._weight_tensors())
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold on the device: packed linear layers (scales and zeros
+        included) at their packed size, so a quantized model counts what it keeps."""
+        return sum(weight_nbytes(t) for t in self._weight_tensors())
 
     @property
     def is_hybrid(self) -> bool:
@@ -125,6 +140,12 @@ class Model:
         if capture is not None:
             capture.check_fits(cfg.num_layers, cfg.hidden_size, num_rows, self.dtype)
         hidden = self.weights.embed[input_ids]  # [num_rows, hidden]
+        # what every layer's RoPE, K/V store and attention share, where the op set plans it
+        plan = {}
+        if ops.forward_plan is not None:
+            plan["plan"] = ops.forward_plan(
+                meta.positions, meta.slot_mapping, self.cos_sin, meta, causal
+            )
         residual = None
         for i, lw in enumerate(self.weights.layers):
             if residual is None:
@@ -164,6 +185,9 @@ class Model:
                 v_caches[kv],
                 num_q_heads=cfg.num_q_heads,
                 is_neox=True,  # every supported architecture rotates halves (HF rotate_half)
+                k_scale=self.kv_scales.k[kv],
+                v_scale=self.kv_scales.v[kv],
+                **plan,
             )  # [num_rows, num_q_heads, head_dim]
             attn = ops.verify_attention(
                 q,
@@ -175,6 +199,9 @@ class Model:
                 self.scale,
                 max_q_len=meta.max_q_len,
                 causal=causal,
+                k_scale=self.kv_scales.k[kv],
+                v_scale=self.kv_scales.v[kv],
+                **plan,
             )  # [num_rows, num_q_heads, head_dim]
             attn = attn.reshape(num_rows, cfg.q_size)
             if gate is not None:

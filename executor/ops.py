@@ -42,6 +42,9 @@ class OpSet:
     verify_attention: object
     argmax_rows: object
     linear: object  # F.linear's signature; the model calls it only when skinny_linear_enabled()
+    # (positions, slot_mapping, cos_sin, meta=None, causal=True) -> a plan the forward hands to
+    # qk_norm_rope_and_write_kv and verify_attention as `plan=`; None: they take no plan
+    forward_plan: object = None
 
 
 def _load(name: str, attr: str):
@@ -63,15 +66,32 @@ def reference_ops() -> OpSet:
     return OpSet(**ops, linear=torch.nn.functional.linear)
 
 
+def cpu_ops() -> OpSet:
+    """The references with their per-forward work done once per forward (executor/cpu_ops.py):
+    bitwise the same results, far fewer torch calls per layer."""
+    from executor import cpu_ops as cpu
+
+    return OpSet(
+        rms_norm=cpu.rms_norm,
+        qk_norm_rope_and_write_kv=cpu.qk_norm_rope_and_write_kv,
+        silu_and_mul=cpu.silu_and_mul,
+        verify_attention=cpu.verify_attention,
+        argmax_rows=_load("argmax", "argmax_rows_ref"),
+        linear=torch.nn.functional.linear,
+        forward_plan=cpu.forward_plan,
+    )
+
+
 def triton_ops() -> OpSet:
     ops = {field: _load(module, name) for field, module, name in _KERNELS}
     return OpSet(**ops, linear=_load("skinny_linear", "linear"))
 
 
 def select_ops(device: torch.device, backend: str = "auto") -> OpSet:
-    """backend: 'auto' (Triton on CUDA/ROCm when available), 'triton' or 'torch'."""
+    """backend: 'auto' (Triton on CUDA/ROCm when available), 'triton' or 'torch' (the torch
+    references; on a CPU in their per-forward form, `cpu_ops`)."""
     if backend == "torch":
-        return reference_ops()
+        return cpu_ops() if device.type == "cpu" else reference_ops()
     if backend == "triton" or device.type == "cuda":
         try:
             from kernels.arch import kernels_available
@@ -83,4 +103,4 @@ def select_ops(device: torch.device, backend: str = "auto") -> OpSet:
                 raise
         if backend == "triton":
             raise RuntimeError(f"Triton kernels are not available on {device}")
-    return reference_ops()
+    return cpu_ops() if device.type == "cpu" else reference_ops()

@@ -32,6 +32,7 @@ def compile_attention_variants(executor: RoundExecutor, *, max_q_len: int) -> in
             max_seqs=executor.max_slots,
             max_q_len=max_q_len,
             max_kv_len=executor.max_blocks_per_seq * executor.block_size,
+            q_dtype=model.dtype,
         )
     torch.cuda.synchronize(executor.device)
     return num

@@ -36,6 +36,14 @@ class EngineConfig:
     kv_cache_memory: str = _f(
         "auto", "KV cache size: bytes with unit (e.g. 8GiB), or 'auto' (a share of free memory)"
     )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "KV cache element type: 'auto' (the model's dtype) or 'fp8' = 'fp8_e4m3' "
+        "(float8_e4m3fn: a budget holds twice the tokens of bf16; K and V scaled per KV head "
+        "by the checkpoint's k_scale / v_scale, else 1.0; NVIDIA compute capability 8.9+, AMD, "
+        "CPU)",
+        choices=("auto", "fp8", "fp8_e4m3"),
+    )
     block_size: int = _f(16, "tokens per KV cache block")
     max_prefill_tokens: int = _f(
         2048,

@@ -4,6 +4,7 @@ executor."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from executor.drafters.base import Drafter
 from executor.drafters.block_config import is_block_drafter_dir
 from executor.drafters.block_model import BlockDraftModel, load_block_drafter
 from executor.drafters.random_block import random_block_drafter
-from executor.kv_cache import KVCache, auto_kv_budget, parse_bytes
+from executor.kv_cache import KVCache, auto_kv_budget, parse_bytes, resolve_kv_cache_dtype
 from executor.loader import load_model, resolve_dtype
 from executor.model import Model
 from executor.random_model import PRESETS, random_model
@@ -21,6 +22,8 @@ from executor.round_executor import RoundExecutor
 from hipfire_serve.config import EngineConfig
 from hipfire_serve.tokenizer import Tokenizer
 from scheduler.kv_blocks import num_blocks_for
+
+log = logging.getLogger("hipfire_serve.engine")
 
 RANDOM_PREFIX = "random:"
 RANDOM_BLOCK_PREFIX = "random-block:"  # a random-weight block drafter beside the target
@@ -153,6 +156,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     """Loads the models and sizes the KV cache by `config` (validated); raises ValueError with
     the flag to change when the set-up cannot serve one full-length request."""
     device = resolve_device(config.device)
+    # refused before any weight loads; 'auto' is the target's dtype, known once it is loaded
+    kv_fp8 = None
+    if config.kv_cache_dtype != "auto":
+        kv_fp8 = resolve_kv_cache_dtype(config.kv_cache_dtype, None, device)
     target_dir, draft_spec = resolve_model_dirs(config)
     if config.model.startswith(RANDOM_PREFIX):
         # random weights of a real shape: benchmarks only, token-id prompts, no text
@@ -188,12 +195,25 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                 f"slots ({state * config.max_concurrency} bytes): raise it or lower "
                 "--max-concurrency"
             )
-    configs = [target.config]
+    # every model keeping KV under the shared block ids: the target, a draft model or the
+    # block drafter's layers; their caches all take --kv-cache-dtype
+    kv_models = [target]
     if isinstance(draft_model, BlockDraftModel):
-        configs.append(draft_model.config.decoder)
+        kv_models.append(draft_model.decoder)
     elif draft_model is not None:
-        configs.append(draft_model.config)
-    num_blocks = KVCache.blocks_for_budget(configs, budget, config.block_size, target.dtype)
+        kv_models.append(draft_model)
+    kv_dtype = kv_fp8 or target.dtype
+    for model in kv_models:
+        model.kv_cache_dtype = kv_dtype
+    if kv_dtype != target.dtype:
+        names = ("target", "drafter")
+        log.info(
+            "KV cache in %s: %s",
+            str(kv_dtype).removeprefix("torch."),
+            "; ".join(f"{n} {m.kv_scales.describe()}" for n, m in zip(names, kv_models)),
+        )
+    configs = [model.config for model in kv_models]
+    num_blocks = KVCache.blocks_for_budget(configs, budget, config.block_size, kv_dtype)
     # rows past the context limit: a request's last round verifies up to spec_depth of them
     # (a block drafter's block reaches as far)
     reach = config.spec_depth

@@ -1,7 +1,8 @@
 """Verify attention: causal attention of ragged new rows over a paged KV cache (one layer).
 
     q           [num_rows, num_q_heads, head_dim]    new rows of all sequences, back to back
-    k/v_cache   [num_blocks, block_size, num_kv_heads, head_dim]
+    k/v_cache   [num_blocks, block_size, num_kv_heads, head_dim]  q's dtype, or float8_e4m3fn
+    k/v_scale   [num_kv_heads] float32               an FP8 cache's: values are stored * scale
     cu_q_lens   [num_seqs + 1] int32                 rows of sequence s: cu_q_lens[s]..[s+1]-1
     seq_lens    [num_seqs] int32                     KV length incl. the new rows (already cached)
     block_tables[num_seqs, max_blocks] int32         cache block of each block_size-token page
@@ -39,6 +40,7 @@ from kernels.attention_tiling import (
     splits_pad,
     variant_key,
 )
+from kernels.kv_fp8 import check_kv_scales, is_fp8, kv_load_ref
 
 __all__ = [
     "AttentionLaunch",
@@ -96,6 +98,8 @@ def verify_attention(
     max_q_len: int | None = None,
     rows_per_tile: int | None = None,
     causal: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged new rows over the paged cache; returns out [num_rows, Hq, D].
 
@@ -106,6 +110,7 @@ def verify_attention(
     rows_per_tile: force rows per program (1 gives the per-row baseline that re-reads KV).
     num_splits: KV splits per tile; None picks from the shapes and the GPU size.
     causal: False lets every row see all of its sequence's KV (seq_lens[s] tokens).
+    k_scale, v_scale: an FP8 cache's per-head scales (ignored for another cache).
     """
     num_rows, num_q_heads, head_dim = q.shape  # [num_rows, Hq, D]
     _, page_size, num_kv_heads, head_dim_k = k_cache.shape  # [blocks, bs, Hkv, D]
@@ -113,8 +118,10 @@ def verify_attention(
     assert k_cache.shape == v_cache.shape, "k_cache and v_cache must have one shape"
     assert head_dim_k == head_dim, f"head_dim {head_dim} != cache head_dim {head_dim_k}"
     assert num_q_heads % num_kv_heads == 0, "q heads must be a multiple of kv heads"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache must share a dtype"
+    assert k_cache.dtype == v_cache.dtype, "k_cache and v_cache must share a dtype"
+    assert k_cache.dtype == q.dtype or is_fp8(k_cache.dtype), "a cache in q's dtype or fp8"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"dtype {q.dtype}"
+    check_kv_scales(k_cache, k_scale, v_scale)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert cu_q_lens.shape == (num_seqs + 1,) and cu_q_lens.dtype == torch.int32
     assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32
@@ -142,11 +149,15 @@ def verify_attention(
         head_dim=head_dim,
     )
     return _run(
-        q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch, causal
+        q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch, causal,
+        k_scale, v_scale,
     )
 
 
-def _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch, causal=True):
+def _run(
+    q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, launch, causal=True,
+    k_scale=None, v_scale=None,
+):
     """Launches verify attention (and the merge of its splits) with a planned tiling."""
     num_rows, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -167,9 +178,11 @@ def _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, lau
     d_pad = next_pow2(head_dim)
     tiles = arch_config(q.device).attention
     grid = (launch.num_tiles, num_kv_heads, splits)
+    fp8 = is_fp8(k_cache.dtype)
     _verify_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         cu_q_lens, seq_lens, block_tables,
+        k_scale if fp8 else part_lse, v_scale if fp8 else part_lse,
         num_seqs, num_rows, splits, scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -184,6 +197,7 @@ def _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, scale, lau
         SEQS_PAD=seqs_pad(num_seqs),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         LAZY_RESCALE=launch.lazy_rescale, PIPELINE_QK=launch.pipeline_qk, CAUSAL=causal,
+        KV_FP8=fp8,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
         **launch_options(q.device, tiles.waves_per_eu, launch.max_regs),
         **pdl_options(q.device),
@@ -202,11 +216,13 @@ def compile_variants(
     max_seqs: int,
     max_q_len: int,
     max_kv_len: int,
+    q_dtype: torch.dtype | None = None,
 ) -> int:
     """Compiles every verify-attention variant a model's rounds can pick (see
     `reachable_variants`) by running each once on a dummy batch whose output is thrown away
     (the cache is only read). A serving round never waits for a compile (seconds) this way;
-    Triton's disk cache makes later starts fast. Returns the number of variants."""
+    Triton's disk cache makes later starts fast. `q_dtype`: the queries' (the model's) dtype,
+    needed for an FP8 cache. Returns the number of variants."""
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     device = k_cache.device
     variants = reachable_variants(
@@ -219,11 +235,17 @@ def compile_variants(
         max_kv_len=max_kv_len,
         head_dim=head_dim,
     )
+    # an FP8 cache is read by queries of the model's dtype, which the fp8 cache does not tell
+    q_dtype = q_dtype or k_cache.dtype
+    scales = {}
+    if is_fp8(k_cache.dtype):
+        ones = torch.ones(num_kv_heads, dtype=torch.float32, device=device)
+        scales = {"k_scale": ones, "v_scale": ones}
     for launch, num_seqs in variants.values():
         # one tile's rows per sequence (the key's sequence-search width needs the count)
         rows = launch.rows_per_tile
         q = torch.zeros(
-            (num_seqs * rows, num_q_heads, head_dim), dtype=k_cache.dtype, device=device
+            (num_seqs * rows, num_q_heads, head_dim), dtype=q_dtype, device=device
         )  # [R, Hq, D]
         cu_q_lens = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * rows
         seq_lens = torch.full((num_seqs,), rows, dtype=torch.int32, device=device)
@@ -231,7 +253,7 @@ def compile_variants(
         block_tables = torch.zeros((num_seqs, width), dtype=torch.int32, device=device)
         dummy = dataclasses.replace(launch, num_tiles=2 * num_seqs)
         out = torch.empty_like(q)
-        _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, 1.0, dummy)
+        _run(q, k_cache, v_cache, out, cu_q_lens, seq_lens, block_tables, 1.0, dummy, **scales)
     return len(variants)
 
 
@@ -249,10 +271,14 @@ def verify_attention_ref(
     max_q_len: int | None = None,
     rows_per_tile: int | None = None,
     causal: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pure torch, any device (the CPU path); fp32 math. Tiling arguments are accepted and
-    ignored. Rows after cu_q_lens[-1] are zeroed, as the kernel does. Reads lengths on the host."""
+    """Pure torch, any device (the CPU path); fp32 math over the cached values (an FP8 cache's
+    stored * scale). Tiling arguments are accepted and ignored. Rows after cu_q_lens[-1] are
+    zeroed, as the kernel does. Reads lengths on the host."""
     del num_splits, max_q_len, rows_per_tile
+    check_kv_scales(k_cache, k_scale, v_scale)
     _, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -266,8 +292,9 @@ def verify_attention_ref(
         if q_len == 0:
             continue
         pages = block_tables[seq, : triton.cdiv(kv_len, page_size)].long()
-        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()  # [L, Hkv, D]
-        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()  # [L, Hkv, D]
+        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len]  # [L, Hkv, D]
+        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len]  # [L, Hkv, D]
+        k, v = kv_load_ref(k, k_scale), kv_load_ref(v, v_scale)  # float32
         k = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v.repeat_interleave(group, dim=1)  # [L, Hq, D]
         qs = q[q_start:q_end].float()  # [q_len, Hq, D]

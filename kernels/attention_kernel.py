@@ -12,6 +12,9 @@ Inner loop: key tiles every row of the tile may see run unmasked; only the tiles
 diagonal or the ragged end are masked. The softmax scale is folded into the exp2's FMA. Two
 arch-table switches change the schedule, never the result: lazy rescaling (`_softmax_update`)
 and q.k issued one KV tile ahead of the softmax and PV of the current tile (PIPELINE_QK).
+An FP8 cache (KV_FP8) is read into q's dtype, which holds every e4m3 value exactly; the KV
+head's K scale joins the softmax scale and its V scale multiplies the output, so the product
+equals attention over `stored * scale` without a multiply per loaded element.
 """
 
 from __future__ import annotations
@@ -105,11 +108,11 @@ def _attend_tile(
     k = _load_kv_tile(
         k_base, bt_row_ptr, start, kv_hi, stride_k_blk, stride_k_tok, offs_d, d_mask,
         BLOCK_N, PAGE_SIZE, MASKED, EVEN_D,
-    )
+    ).to(q.dtype)
     v = _load_kv_tile(
         v_base, bt_row_ptr, start, kv_hi, stride_v_blk, stride_v_tok, offs_d, d_mask,
         BLOCK_N, PAGE_SIZE, MASKED, EVEN_D,
-    )
+    ).to(q.dtype)
     s = _tile_scores(q, k, start, kv_hi, q_pos, BLOCK_N, MASKED, DOT_PRECISION)
     return _softmax_update(s, v, acc, m_i, l_i, scale_log2, LAZY_RESCALE, DOT_PRECISION)
 
@@ -132,7 +135,7 @@ def _attend_tile(
 )
 def _verify_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    cu_q_lens_ptr, seq_lens_ptr, block_tables_ptr,
+    cu_q_lens_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, num_rows, num_splits, scale_log2,
     stride_q_row, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
@@ -145,7 +148,8 @@ def _verify_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, SEQS_PAD: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    PIPELINE_QK: tl.constexpr, CAUSAL: tl.constexpr = True, USE_PDL: tl.constexpr = False,
+    PIPELINE_QK: tl.constexpr, CAUSAL: tl.constexpr = True, KV_FP8: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -219,6 +223,10 @@ def _verify_attention_kernel(
             bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
             k_base = k_ptr + kv_head.to(tl.int64) * stride_k_head
             v_base = v_ptr + kv_head.to(tl.int64) * stride_v_head
+            if KV_FP8:
+                qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
+            else:
+                qk_scale = scale_log2
             if PIPELINE_QK:
                 # q.k of tile n+1 is issued before the softmax and PV of tile n, so the tensor
                 # cores work on the next scores while the exp2s of this tile run.
@@ -226,36 +234,36 @@ def _verify_attention_kernel(
                     k = _load_kv_tile(
                         k_base, bt_row_ptr, kv_lo, kv_hi, stride_k_blk, stride_k_tok, offs_d,
                         d_mask, BLOCK_N, PAGE_SIZE, False, EVEN_D,
-                    )
+                    ).to(q.dtype)
                     s = _tile_scores(q, k, kv_lo, kv_hi, q_pos, BLOCK_N, False, DOT_PRECISION)
                     for start in range(kv_lo + BLOCK_N, masked_lo, BLOCK_N):
                         k = _load_kv_tile(
                             k_base, bt_row_ptr, start, kv_hi, stride_k_blk, stride_k_tok,
                             offs_d, d_mask, BLOCK_N, PAGE_SIZE, False, EVEN_D,
-                        )
+                        ).to(q.dtype)
                         s_next = _tile_scores(
                             q, k, start, kv_hi, q_pos, BLOCK_N, False, DOT_PRECISION
                         )
                         v = _load_kv_tile(
                             v_base, bt_row_ptr, start - BLOCK_N, kv_hi, stride_v_blk,
                             stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE, False, EVEN_D,
-                        )
+                        ).to(q.dtype)
                         acc, m_i, l_i = _softmax_update(
-                            s, v, acc, m_i, l_i, scale_log2, LAZY_RESCALE, DOT_PRECISION
+                            s, v, acc, m_i, l_i, qk_scale, LAZY_RESCALE, DOT_PRECISION
                         )
                         s = s_next
                     v = _load_kv_tile(
                         v_base, bt_row_ptr, masked_lo - BLOCK_N, kv_hi, stride_v_blk,
                         stride_v_tok, offs_d, d_mask, BLOCK_N, PAGE_SIZE, False, EVEN_D,
-                    )
+                    ).to(q.dtype)
                     acc, m_i, l_i = _softmax_update(
-                        s, v, acc, m_i, l_i, scale_log2, LAZY_RESCALE, DOT_PRECISION
+                        s, v, acc, m_i, l_i, qk_scale, LAZY_RESCALE, DOT_PRECISION
                     )
             else:
                 for start in range(kv_lo, masked_lo, BLOCK_N):
                     acc, m_i, l_i = _attend_tile(
                         q, q_pos, acc, m_i, l_i, k_base, v_base, bt_row_ptr, start, kv_hi,
-                        scale_log2, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                        qk_scale, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
                         offs_d, d_mask, BLOCK_N, PAGE_SIZE, False, EVEN_D, LAZY_RESCALE,
                         DOT_PRECISION,
                     )
@@ -263,7 +271,7 @@ def _verify_attention_kernel(
             for start in range(masked_lo, kv_hi, BLOCK_N):
                 acc, m_i, l_i = _attend_tile(
                     q, q_pos, acc, m_i, l_i, k_base, v_base, bt_row_ptr, start, kv_hi,
-                    scale_log2, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, offs_d,
+                    qk_scale, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, offs_d,
                     d_mask, BLOCK_N, PAGE_SIZE, True, EVEN_D, LAZY_RESCALE, DOT_PRECISION,
                 )
 
@@ -274,6 +282,8 @@ def _verify_attention_kernel(
                 tl.extra.cuda.gdc_launch_dependents()
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
             result = acc / l_safe[:, None]  # [BLOCK_M, D_PAD]
+            if KV_FP8:
+                result = result * tl.load(v_scale_ptr + kv_head)
             st_mask = m_ok[:, None] & d_mask[None, :]
             if not SPLIT:
                 o_ptrs = out_ptr + q_row[:, None] * stride_o_row + m_head[:, None] * stride_o_head

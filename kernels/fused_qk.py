@@ -11,6 +11,8 @@ multiplies it, the weighted value is rounded again before the rotation, and the 
 fp32 and is rounded once. Grid: one program per (row, block of heads). A row's heads are cut into
 blocks of at most `_MAX_HEADS_PER_PROGRAM`: q blocks, then k blocks, then v blocks, so even a
 one-row round keeps several programs busy and every program moves a similar amount of data.
+An FP8 cache gets k and v rounded as above, then divided by their head's scale, clamped and cast
+(`kernels.kv_fp8`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.arch import arch_config, launch_options, pdl_options
+from kernels.kv_fp8 import check_kv_scales, is_fp8, quantize_kv
 from kernels.norms import head_rms_norm_ref
 from kernels.rope_kv import load_cos_sin, rope_and_write_kv_ref, rotary_pair_dims
 
@@ -29,13 +32,15 @@ _MAX_HEADS_PER_PROGRAM = 8
 
 @triton.jit
 def _norm_rope_heads(
-    src_ptr, dst_ptr, w_ptr, cos, sin, eps, num_heads, stride_dst_head,
+    src_ptr, dst_ptr, w_ptr, scale_ptr, cos, sin, eps, num_heads, stride_dst_head,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     PASS_PAD: tl.constexpr, IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr,
+    STORE_FP8: tl.constexpr,
 ):
     """dst[h] = rope(norm(src[h])) for the first `num_heads` of HEADS heads; src heads are
-    HEAD_DIM apart, dst heads `stride_dst_head` apart; cos/sin [HALF_PAD] fp32."""
-    dtype = dst_ptr.dtype.element_ty
+    HEAD_DIM apart, dst heads `stride_dst_head` apart; cos/sin [HALF_PAD] fp32. STORE_FP8:
+    dst is an FP8 cache, which takes the result divided by the head's scale (scale_ptr)."""
+    dtype = src_ptr.dtype.element_ty  # the model's: an FP8 cache rounds from it
     offs_h = tl.arange(0, HEADS)
     offs_f = tl.arange(0, HALF_PAD)
     offs_p = 2 * HALF + tl.arange(0, PASS_PAD)  # partial rotary tail; all masked when rot = D
@@ -60,28 +65,39 @@ def _norm_rope_heads(
         xp = ((xp * rstd).to(dtype).to(tl.float32) * wp[None, :]).to(dtype).to(tl.float32)
     out1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype)
     out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
+    outp = xp.to(dtype)
+    if STORE_FP8:
+        scale = tl.load(scale_ptr + offs_h, mask=offs_h < num_heads, other=1.0)[:, None]
+        out1 = quantize_kv(out1.to(tl.float32), scale)
+        out2 = quantize_kv(out2.to(tl.float32), scale)
+        outp = quantize_kv(outp.to(tl.float32), scale)
+    dst_ty = dst_ptr.dtype.element_ty
     dst = dst_ptr + offs_h[:, None] * stride_dst_head
-    tl.store(dst + dim1[None, :], out1, mask=mask)
-    tl.store(dst + dim2[None, :], out2, mask=mask)
-    tl.store(dst + offs_p[None, :], xp.to(dtype), mask=pmask)
+    tl.store(dst + dim1[None, :], out1.to(dst_ty), mask=mask)
+    tl.store(dst + dim2[None, :], out2.to(dst_ty), mask=mask)
+    tl.store(dst + offs_p[None, :], outp.to(dst_ty), mask=pmask)
 
 
 @triton.jit
 def _copy_heads(
-    src_ptr, dst_ptr, num_heads, stride_dst_head,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    src_ptr, dst_ptr, scale_ptr, num_heads, stride_dst_head,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, STORE_FP8: tl.constexpr,
 ):
     offs_h = tl.arange(0, HEADS)
     offs_d = tl.arange(0, D_PAD)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
     vals = tl.load(src_ptr + offs_h[:, None] * HEAD_DIM + offs_d[None, :], mask=mask)
+    if STORE_FP8:
+        scale = tl.load(scale_ptr + offs_h, mask=offs_h < num_heads, other=1.0)[:, None]
+        vals = quantize_kv(vals.to(tl.float32), scale)
+    vals = vals.to(dst_ptr.dtype.element_ty)
     tl.store(dst_ptr + offs_h[:, None] * stride_dst_head + offs_d[None, :], vals, mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kv_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
-    q_out_ptr, k_cache_ptr, v_cache_ptr,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     eps, num_q_heads, num_kv_heads, num_q_blocks, num_k_blocks,
     stride_qkv_row, stride_qo_row, stride_qo_head, stride_cs_pos,
     stride_kc_blk, stride_kc_tok, stride_kc_head,
@@ -89,7 +105,7 @@ def _qk_norm_rope_kv_kernel(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
     HEADS: tl.constexpr, IS_NEOX: tl.constexpr, QK_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -116,8 +132,8 @@ def _qk_norm_rope_kv_kernel(
             _norm_rope_heads(
                 row_ptr + q_head * HEAD_DIM,
                 q_out_ptr + row * stride_qo_row + q_head * stride_qo_head, q_norm_ptr,
-                cos, sin, eps, num_q_heads - q_head, stride_qo_head,
-                HEADS, HEAD_DIM, HALF, HALF_PAD, PASS_PAD, IS_NEOX, QK_NORM,
+                k_scale_ptr, cos, sin, eps, num_q_heads - q_head, stride_qo_head,
+                HEADS, HEAD_DIM, HALF, HALF_PAD, PASS_PAD, IS_NEOX, QK_NORM, False,
             )
         elif is_real:
             k_head = (blk - num_q_blocks) * HEADS
@@ -125,8 +141,9 @@ def _qk_norm_rope_kv_kernel(
             kc_ptr = k_cache_ptr + k_page * stride_kc_blk + (slot % PAGE_SIZE) * stride_kc_tok
             _norm_rope_heads(
                 row_ptr + (num_q_heads + k_head) * HEAD_DIM, kc_ptr + k_head * stride_kc_head,
-                k_norm_ptr, cos, sin, eps, num_kv_heads - k_head, stride_kc_head,
-                HEADS, HEAD_DIM, HALF, HALF_PAD, PASS_PAD, IS_NEOX, QK_NORM,
+                k_norm_ptr, k_scale_ptr + k_head, cos, sin, eps, num_kv_heads - k_head,
+                stride_kc_head, HEADS, HEAD_DIM, HALF, HALF_PAD, PASS_PAD, IS_NEOX, QK_NORM,
+                KV_FP8,
             )
     elif is_real:
         v_head = (blk - num_q_blocks - num_k_blocks) * HEADS
@@ -134,13 +151,14 @@ def _qk_norm_rope_kv_kernel(
         vc_ptr = v_cache_ptr + v_page * stride_vc_blk + (slot % PAGE_SIZE) * stride_vc_tok
         _copy_heads(
             row_ptr + (num_q_heads + num_kv_heads + v_head) * HEAD_DIM,
-            vc_ptr + v_head * stride_vc_head, num_kv_heads - v_head, stride_vc_head,
-            HEADS, HEAD_DIM, D_PAD,
+            vc_ptr + v_head * stride_vc_head, v_scale_ptr + v_head, num_kv_heads - v_head,
+            stride_vc_head, HEADS, HEAD_DIM, D_PAD, KV_FP8,
         )
 
 
 def _check_args(
-    qkv, q_norm, k_norm, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, num_q_heads
+    qkv, q_norm, k_norm, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, num_q_heads,
+    k_scale=None, v_scale=None,
 ) -> tuple[int, int, int]:
     """Asserts the layout contract; returns (num_rows, num_kv_heads, head_dim)."""
     assert qkv.dim() == 2 and qkv.stride(1) == 1, "qkv must be [N, width] with unit column stride"
@@ -151,7 +169,9 @@ def _check_args(
     assert qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim, (
         f"qkv width {qkv.shape[1]} != ({num_q_heads} + 2 * {num_kv_heads}) * {head_dim}"
     )
-    assert qkv.dtype == k_cache.dtype == v_cache.dtype, "qkv and the cache must share a dtype"
+    assert k_cache.dtype == v_cache.dtype, "k_cache and v_cache must share a dtype"
+    assert k_cache.dtype == qkv.dtype or is_fp8(k_cache.dtype), "a cache in qkv's dtype or fp8"
+    check_kv_scales(k_cache, k_scale, v_scale)
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert (q_norm is None) == (k_norm is None), "q and k norm weights come together"
     for w in (q_norm, k_norm):
@@ -178,6 +198,8 @@ def qk_norm_rope_and_write_kv(
     *,
     num_q_heads: int,
     is_neox: bool,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Returns q [N, Hq, D] contiguous and stores k, v into the cache.
 
@@ -187,7 +209,8 @@ def qk_norm_rope_and_write_kv(
         cos_sin_cache[max_pos, rot_dim] fp32: cos of the rot_dim/2 frequencies | their sin
         slot_mapping [N] int64   block_id * block_size + offset; < 0: a padded row, whose k/v
                                  are not stored and whose q is normed but not rotated
-        k/v_cache    [num_blocks, block_size, Hkv, D]
+        k/v_cache    [num_blocks, block_size, Hkv, D] in qkv's dtype, or float8_e4m3fn
+        k/v_scale    [Hkv] float32, an FP8 cache's: it stores k / k_scale, v / v_scale (clamped)
 
     is_neox: rotate dim i with dim i + rot_dim/2 (neox), else 2i with 2i+1 (GPT-J). Dims >=
     rot_dim (partial rotary) are normed and pass through unrotated. Every RoPE scaling type
@@ -195,7 +218,7 @@ def qk_norm_rope_and_write_kv(
     """
     num_rows, num_kv_heads, head_dim = _check_args(
         qkv, q_norm, k_norm, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
-        num_q_heads,
+        num_q_heads, k_scale, v_scale,
     )
     q = torch.empty((num_rows, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_rows == 0:
@@ -206,9 +229,11 @@ def qk_norm_rope_and_write_kv(
     num_kv_blocks = triton.cdiv(num_kv_heads, heads)
     rot_dim = cos_sin_cache.shape[1]
     qk_norm = q_norm is not None
+    fp8 = is_fp8(k_cache.dtype)
     _qk_norm_rope_kv_kernel[(num_rows, num_q_blocks + 2 * num_kv_blocks)](
         qkv, q_norm if qk_norm else qkv, k_norm if qk_norm else qkv,
         positions, cos_sin_cache, slot_mapping, q, k_cache, v_cache,
+        k_scale if fp8 else cos_sin_cache, v_scale if fp8 else cos_sin_cache,
         eps, num_q_heads, num_kv_heads, num_q_blocks, num_kv_blocks,
         qkv.stride(0), q.stride(0), q.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -216,7 +241,7 @@ def qk_norm_rope_and_write_kv(
         PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         HALF=rot_dim // 2, HALF_PAD=triton.next_power_of_2(rot_dim // 2),
         PASS_PAD=triton.next_power_of_2(max(1, head_dim - rot_dim)),
-        HEADS=heads, IS_NEOX=is_neox, QK_NORM=qk_norm,
+        HEADS=heads, IS_NEOX=is_neox, QK_NORM=qk_norm, KV_FP8=fp8,
         num_warps=cfg.row_warps, **launch_options(qkv.device, cfg.waves_per_eu),
         **pdl_options(qkv.device),
     )
@@ -236,12 +261,14 @@ def qk_norm_rope_and_write_kv_ref(
     *,
     num_q_heads: int,
     is_neox: bool,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure torch, any device: the separate head norm and RoPE + KV store references in turn
     (qkv itself is left unchanged)."""
     num_rows, num_kv_heads, head_dim = _check_args(
         qkv, q_norm, k_norm, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
-        num_q_heads,
+        num_q_heads, k_scale, v_scale,
     )
     q, k, v = qkv.split(
         [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
@@ -254,6 +281,7 @@ def qk_norm_rope_and_write_kv_ref(
     else:
         q, k = q.clone(), k.clone()  # rotated in place below
     rope_and_write_kv_ref(
-        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, is_neox=is_neox
+        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, is_neox=is_neox,
+        k_scale=k_scale, v_scale=v_scale,
     )
     return q.contiguous()

@@ -7,7 +7,7 @@ KV is in the cache before attention reads it, without a second pass over k.
 The model's forward uses `kernels.fused_qk` instead, which also applies Qwen3's q/k norm and
 reads q, k, v straight from the fused projection output in the same launch (and shares the
 rotary helpers of this module); this in-place form serves callers that hold q, k and v as
-separate tensors.
+separate tensors. An FP8 cache stores k and v through `kernels.kv_fp8`'s rule.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.arch import arch_config, launch_options
+from kernels.kv_fp8 import check_kv_scales, is_fp8, kv_store_ref, quantize_kv
 
 
 @triton.jit
@@ -45,10 +46,10 @@ def load_cos_sin(cos_sin_ptr, pos, stride_cs_pos, HALF: tl.constexpr, HALF_PAD: 
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, cache_ptr, cos, sin, num_heads,
+    x_ptr, cache_ptr, scale_ptr, cos, sin, num_heads,
     stride_x_head, stride_c_head,
     HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, HALF: tl.constexpr,
-    IS_NEOX: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    IS_NEOX: tl.constexpr, WRITE_CACHE: tl.constexpr, STORE_FP8: tl.constexpr,
 ):
     offs_h = tl.arange(0, HEADS_PAD)
     offs_f = tl.arange(0, HALF_PAD)
@@ -62,34 +63,45 @@ def _rotate_heads(
     tl.store(x_ptr + head_off + dim1[None, :], out1, mask=mask)
     tl.store(x_ptr + head_off + dim2[None, :], out2, mask=mask)
     if WRITE_CACHE:
+        if STORE_FP8:  # the rotated value as the model's dtype holds it, then scaled
+            scale = tl.load(scale_ptr + offs_h, mask=offs_h < num_heads, other=1.0)[:, None]
+            out1 = quantize_kv(out1.to(tl.float32), scale)
+            out2 = quantize_kv(out2.to(tl.float32), scale)
         c_off = offs_h[:, None] * stride_c_head
-        tl.store(cache_ptr + c_off + dim1[None, :], out1, mask=mask)
-        tl.store(cache_ptr + c_off + dim2[None, :], out2, mask=mask)
+        c_ty = cache_ptr.dtype.element_ty
+        tl.store(cache_ptr + c_off + dim1[None, :], out1.to(c_ty), mask=mask)
+        tl.store(cache_ptr + c_off + dim2[None, :], out2.to(c_ty), mask=mask)
 
 
 @triton.jit
 def _copy_heads(
-    src_ptr, dst_ptr, num_heads, stride_src_head, stride_dst_head,
+    src_ptr, dst_ptr, scale_ptr, num_heads, stride_src_head, stride_dst_head,
     HEADS_PAD: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, SPAN_PAD: tl.constexpr,
+    STORE_FP8: tl.constexpr,
 ):
-    """dst[h, LO:HI] = src[h, LO:HI] for every head."""
+    """dst[h, LO:HI] = src[h, LO:HI] for every head (divided by the head's scale into FP8)."""
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = LO + tl.arange(0, SPAN_PAD)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HI)
     vals = tl.load(src_ptr + offs_h[:, None] * stride_src_head + offs_d[None, :], mask=mask)
+    if STORE_FP8:
+        scale = tl.load(scale_ptr + offs_h, mask=offs_h < num_heads, other=1.0)[:, None]
+        vals = quantize_kv(vals.to(tl.float32), scale)
+    vals = vals.to(dst_ptr.dtype.element_ty)
     tl.store(dst_ptr + offs_h[:, None] * stride_dst_head + offs_d[None, :], vals, mask=mask)
 
 
 @triton.jit
 def _rope_and_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-    num_q_heads, num_kv_heads,
+    k_scale_ptr, v_scale_ptr, num_q_heads, num_kv_heads,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
     stride_cs_pos, stride_kc_blk, stride_kc_tok, stride_kc_head,
     stride_vc_blk, stride_vc_tok, stride_vc_head,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr,
     QH_PAD: tl.constexpr, KH_PAD: tl.constexpr, IS_NEOX: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok)
@@ -100,21 +112,21 @@ def _rope_and_write_kv_kernel(
         kc_ptr = k_cache_ptr + page * stride_kc_blk + (slot % PAGE_SIZE) * stride_kc_tok
         vc_ptr = v_cache_ptr + page * stride_vc_blk + (slot % PAGE_SIZE) * stride_vc_tok
         _rotate_heads(
-            q_ptr + tok * stride_q_row, q_ptr, cos, sin, num_q_heads,
-            stride_q_head, 0, QH_PAD, HALF_PAD, HALF, IS_NEOX, False,
+            q_ptr + tok * stride_q_row, q_ptr, k_scale_ptr, cos, sin, num_q_heads,
+            stride_q_head, 0, QH_PAD, HALF_PAD, HALF, IS_NEOX, False, False,
         )
         _rotate_heads(
-            k_ptr + tok * stride_k_row, kc_ptr, cos, sin, num_kv_heads,
-            stride_k_head, stride_kc_head, KH_PAD, HALF_PAD, HALF, IS_NEOX, True,
+            k_ptr + tok * stride_k_row, kc_ptr, k_scale_ptr, cos, sin, num_kv_heads,
+            stride_k_head, stride_kc_head, KH_PAD, HALF_PAD, HALF, IS_NEOX, True, KV_FP8,
         )
         if 2 * HALF < HEAD_DIM:  # partial rotary: the tail of k goes to the cache unrotated
             _copy_heads(
-                k_ptr + tok * stride_k_row, kc_ptr, num_kv_heads, stride_k_head,
-                stride_kc_head, KH_PAD, 2 * HALF, HEAD_DIM, PASS_PAD,
+                k_ptr + tok * stride_k_row, kc_ptr, k_scale_ptr, num_kv_heads, stride_k_head,
+                stride_kc_head, KH_PAD, 2 * HALF, HEAD_DIM, PASS_PAD, KV_FP8,
             )
         _copy_heads(
-            v_ptr + tok * stride_v_row, vc_ptr, num_kv_heads, stride_v_head,
-            stride_vc_head, KH_PAD, 0, HEAD_DIM, D_PAD,
+            v_ptr + tok * stride_v_row, vc_ptr, v_scale_ptr, num_kv_heads, stride_v_head,
+            stride_vc_head, KH_PAD, 0, HEAD_DIM, D_PAD, KV_FP8,
         )
 
 
@@ -136,6 +148,8 @@ def rope_and_write_kv(
     v_cache: torch.Tensor,
     *,
     is_neox: bool,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Rotates q and k in place and stores k, v into the cache.
 
@@ -145,7 +159,8 @@ def rope_and_write_kv(
         cos_sin_cache[max_pos, rot_dim] fp32: cos of the rot_dim/2 frequencies | their sin
         slot_mapping [N] int64       block_id * block_size + offset; < 0: padding, the token
                                      is left untouched (no rotation, no write)
-        k/v_cache    [num_blocks, block_size, Hkv, D]
+        k/v_cache    [num_blocks, block_size, Hkv, D] in q's dtype, or float8_e4m3fn
+        k/v_scale    [Hkv] float32: an FP8 cache stores k / k_scale and v / v_scale (clamped)
 
     is_neox: rotate dim i with dim i + rot_dim/2 (neox), else 2i with 2i+1 (GPT-J). Dims >=
     rot_dim (partial rotary) pass through. Every RoPE scaling type (linear, llama3, yarn...)
@@ -156,7 +171,9 @@ def rope_and_write_kv(
     _check_head_tensor(v, "v", num_tokens, head_dim)
     num_kv_heads = k.shape[1]
     assert v.shape[1] == num_kv_heads and q.stride(2) == 1
-    assert q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+    assert q.dtype == k.dtype == v.dtype and k_cache.dtype == v_cache.dtype
+    assert k_cache.dtype == q.dtype or is_fp8(k_cache.dtype), f"cache dtype {k_cache.dtype}"
+    check_kv_scales(k_cache, k_scale, v_scale)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert positions.shape == (num_tokens,) and positions.dtype == torch.int64
@@ -168,8 +185,10 @@ def rope_and_write_kv(
         return
     cfg = arch_config(q.device)
     half = rot_dim // 2
+    fp8 = is_fp8(k_cache.dtype)
     _rope_and_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+        k_scale if fp8 else cos_sin_cache, v_scale if fp8 else cos_sin_cache,
         num_q_heads, num_kv_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -178,7 +197,7 @@ def rope_and_write_kv(
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         PASS_PAD=triton.next_power_of_2(max(1, head_dim - rot_dim)),
         QH_PAD=triton.next_power_of_2(num_q_heads), KH_PAD=triton.next_power_of_2(num_kv_heads),
-        IS_NEOX=is_neox,
+        IS_NEOX=is_neox, KV_FP8=fp8,
         num_warps=cfg.row_warps, **launch_options(q.device, cfg.waves_per_eu),
     )
 
@@ -210,6 +229,8 @@ def rope_and_write_kv_ref(
     v_cache: torch.Tensor,
     *,
     is_neox: bool,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Pure torch, any device; same in-place effects as the kernel."""
     keep = slot_mapping >= 0  # [N]
@@ -225,5 +246,5 @@ def rope_and_write_kv_ref(
     q[rows], k[rows] = q_sel, k_sel
     slots = slot_mapping[rows]
     page_size = k_cache.shape[1]
-    k_cache[slots // page_size, slots % page_size] = k_sel
-    v_cache[slots // page_size, slots % page_size] = v[rows]
+    k_cache[slots // page_size, slots % page_size] = kv_store_ref(k_sel, k_scale, k_cache.dtype)
+    v_cache[slots // page_size, slots % page_size] = kv_store_ref(v[rows], v_scale, v_cache.dtype)

@@ -71,7 +71,7 @@ class BlockDrafter:
             cfg.decoder,
             num_blocks=num_blocks,
             block_size=block_size,
-            dtype=model.dtype,
+            dtype=model.decoder.kv_cache_dtype,
             device=model.device,
         )
         self.use_graphs = graphs != "off" and model.device.type == "cuda"

@@ -12,6 +12,12 @@ embedded with the target's embedding; in every layer the block's queries attend,
 causal mask, to keys/values projected from the context features (k_proj/v_proj applied to the
 features directly, no input norm) followed by the block's own; RoPE at the absolute positions.
 The last B-1 rows of the final norm go through the target's lm_head.
+
+Quantized checkpoints load through the target's loader code: `quantization_config` is read by
+`executor.quant.scheme` (what it does not support is refused in one line naming the
+quant_method) and every linear layer (fc, the projections) is taken by
+`executor.quant.linear_loader`, so fp8, gptq, awq and compressed-tensors drafters keep the
+formats a target keeps. GGUF has no names for a block drafter's tensors and is refused.
 """
 
 from __future__ import annotations
@@ -26,10 +32,14 @@ from executor.drafters.block_config import (
     check_against_target,
     load_block_drafter_config,
 )
+from executor.kv_scales import take_kv_scales
 from executor.loader import read_state_dict, take_weight
 from executor.model import AttnMetadata, LayerWeights, Model, ModelWeights
 from executor.model_config import ModelLoadError
 from executor.ops import reference_ops
+from executor.quant.linear import QuantLinear, quant_linear, weight_nbytes
+from executor.quant.linear_loader import fuse_linears, linear_shape, take_one
+from executor.quant.scheme import read_quant_scheme
 from executor.rope import build_cos_sin_cache
 from kernels.norms import head_rms_norm_ref
 
@@ -39,11 +49,15 @@ TARGET_OWNED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "model.embed_to
 
 @dataclass(frozen=True)
 class BlockDrafterWeights:
-    fc: torch.Tensor  # [hidden, len(target_layer_ids) * hidden]
+    fc: torch.Tensor | QuantLinear  # [hidden, len(target_layer_ids) * hidden]
     hidden_norm: torch.Tensor  # [hidden]
     # The drafter's layers and final norm with the target's embedding and lm_head (the
     # target's own tensors, not copies); a layer's qkv serves context rows by its k/v part.
     decoder: ModelWeights
+    # Every layer's k/v projection side by side [layers * 2 kv, hidden]; None: sliced from
+    # the dense qkv weights (a packed weight cannot be sliced by rows, so a quantized
+    # checkpoint's loader fuses the layers' k/v parts itself).
+    context_kv: torch.Tensor | QuantLinear | None = None
 
     @property
     def layers(self) -> tuple[LayerWeights, ...]:
@@ -108,10 +122,31 @@ class BlockDraftModel:
             max_position=max(max_position or 0, dec.max_position),
         )
         # Context rows need only keys and values: every layer's k/v projection in one GEMM.
-        self.context_kv = torch.cat([lw.qkv[dec.q_size :] for lw in weights.layers])
+        self.context_kv = weights.context_kv
+        if self.context_kv is None:
+            self.context_kv = torch.cat([lw.qkv[dec.q_size :] for lw in weights.layers])
         self.context_kv_bias = None
         if dec.qkv_bias:
             self.context_kv_bias = torch.cat([lw.qkv_bias[dec.q_size :] for lw in weights.layers])
+        # fc and the context k/v lie outside the decoder's weights: a packed one needs the
+        # quantized route even where the decoder's layers are all dense
+        self._context_linear = self.decoder._linear()
+        packed = (self.weights.fc, self.context_kv)
+        if not self.decoder.quantized and any(isinstance(w, QuantLinear) for w in packed):
+            kernels = self.decoder.ops.linear is not torch.nn.functional.linear
+            self._context_linear = quant_linear(self._context_linear, kernels)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Device bytes of the drafter's own weights, packed ones at their packed size (the
+        target's embedding and lm_head, shared, are the target's)."""
+        w = self.weights
+        tensors = [w.fc, w.hidden_norm, w.final_norm, self.context_kv]
+        for lw in w.layers:
+            tensors += [t for t in vars(lw).values() if isinstance(t, torch.Tensor | QuantLinear)]
+        if self.context_kv_bias is not None:
+            tensors.append(self.context_kv_bias)
+        return sum(weight_nbytes(t) for t in tensors)
 
     def write_context(
         self,
@@ -124,12 +159,15 @@ class BlockDraftModel:
         """Projects target states to context features and stores every drafter layer's context
         K/V (k_norm and RoPE applied) at the rows' cache slots."""
         dec, ops = self.config.decoder, self.decoder.ops
-        linear = self.decoder._linear()
+        linear = self._context_linear
         features = ops.rms_norm(
             linear(target_hidden, self.weights.fc), self.weights.hidden_norm, dec.rms_norm_eps
         )  # [n, hidden]
         kv = linear(features, self.context_kv, self.context_kv_bias)  # [n, layers * 2 kv]
         width = 2 * dec.kv_size
+        plan = {}
+        if ops.forward_plan is not None:  # the layers share the rows' RoPE and slots
+            plan["plan"] = ops.forward_plan(positions, slot_mapping, self.decoder.cos_sin)
         for i, lw in enumerate(self.weights.layers):
             ops.qk_norm_rope_and_write_kv(
                 kv[:, i * width : (i + 1) * width],
@@ -143,6 +181,9 @@ class BlockDraftModel:
                 v_caches[i],
                 num_q_heads=0,
                 is_neox=True,
+                k_scale=self.decoder.kv_scales.k[i],
+                v_scale=self.decoder.kv_scales.v[i],
+                **plan,
             )
 
     def block_logits(
@@ -161,7 +202,7 @@ class BlockDraftModel:
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """target_hidden [n, len(target_layer_ids) * hidden] (the chosen layers' outputs side by
         side, in target_layer_ids order) -> context features [n, hidden]."""
-        fc = torch.nn.functional.linear(target_hidden, self.weights.fc)
+        fc = quant_linear(torch.nn.functional.linear, False)(target_hidden, self.weights.fc)
         return self.ops.rms_norm(fc, self.weights.hidden_norm, self.config.decoder.rms_norm_eps)
 
     def draft_block(
@@ -175,7 +216,7 @@ class BlockDraftModel:
         len(positions) (at most config.block_size: a shorter block drafts fewer tokens)."""
         cfg, w, ops = self.config, self.weights, self.ops
         dec = cfg.decoder
-        linear = torch.nn.functional.linear
+        linear = quant_linear(torch.nn.functional.linear, False)
         block_size = positions.shape[0]
         num_ctx = context_features.shape[0]
         assert 2 <= block_size <= cfg.block_size, (block_size, cfg.block_size)
@@ -193,9 +234,12 @@ class BlockDraftModel:
         for lw in w.layers:
             x = ops.rms_norm(hidden, lw.input_norm, dec.rms_norm_eps)  # [B, hidden]
             qkv = linear(x, lw.qkv, lw.qkv_bias)  # [B, q + 2 kv]
-            kv_weight = lw.qkv[dec.q_size :]  # a view: context rows need no query
-            kv_bias = None if lw.qkv_bias is None else lw.qkv_bias[dec.q_size :]
-            ctx_kv = linear(context_features, kv_weight, kv_bias)  # [n, 2 kv]
+            if isinstance(lw.qkv, QuantLinear):  # packed rows cannot be sliced: all outputs
+                ctx_kv = linear(context_features, lw.qkv, lw.qkv_bias)[:, dec.q_size :]
+            else:
+                kv_weight = lw.qkv[dec.q_size :]  # a view: context rows need no query
+                kv_bias = None if lw.qkv_bias is None else lw.qkv_bias[dec.q_size :]
+                ctx_kv = linear(context_features, kv_weight, kv_bias)  # [n, 2 kv]
             kv = torch.cat([ctx_kv, qkv[:, dec.q_size :]])  # [n + B, 2 kv]
             q = qkv[:, : dec.q_size].reshape(block_size, dec.num_q_heads, dec.head_dim)
             k = kv[:, : dec.kv_size].reshape(num_ctx + block_size, dec.num_kv_heads, dec.head_dim)
@@ -214,47 +258,76 @@ class BlockDraftModel:
         return linear(out, w.lm_head).float()
 
 
+def _refuse_gguf(model_dir: Path) -> None:
+    """A block drafter's weights come from safetensors: GGUF names no fc, hidden_norm or
+    context layers, so a directory holding only a .gguf is refused by its format."""
+    if any(model_dir.glob("*.safetensors")) or not any(model_dir.glob("*.gguf")):
+        return
+    path = sorted(model_dir.glob("*.gguf"))[0]
+    formats = "gguf"
+    try:
+        from executor.gguf.files import GGUFMetadata
+
+        names = {t.tensor_type.name for t in GGUFMetadata(path).reader.tensors if len(t.shape) > 1}
+        formats = "gguf " + "/".join(sorted(names)) if names else formats
+    except (ModelLoadError, ImportError):
+        pass  # the refusal names the format without the block types
+    raise ModelLoadError(
+        f"block drafter {path.name}: quant_method {formats!r} is not supported for block "
+        "drafters (GGUF has no names for their fc and context layers; serve the safetensors "
+        "checkpoint, dense or fp8 / gptq / awq / compressed-tensors)"
+    )
+
+
 def load_block_weights(
     model_dir: Path, config: BlockDrafterConfig, target: Model
 ) -> BlockDrafterWeights:
+    _refuse_gguf(model_dir)
+    scheme = read_quant_scheme(model_dir)  # refuses what it does not support, before weights
     sd = read_state_dict(model_dir)
+    device, dtype = target.device, target.dtype
 
     def t(name: str) -> torch.Tensor:
-        return take_weight(sd, name).to(device=target.device, dtype=target.dtype).contiguous()
+        return take_weight(sd, name).to(device=device, dtype=dtype).contiguous()
+
+    def lin(prefix: str):  # dense [N, K] or a QuantLinear, as the target's layers load
+        return take_one(sd, prefix, scheme, dtype, device)
 
     decoder = config.decoder
-    fc = t("fc.weight")
+    fc = lin("fc")
     expected_fc = (
         decoder.hidden_size,
         len(config.target_layer_ids) * decoder.hidden_size,
     )
-    if tuple(fc.shape) != expected_fc:
+    if linear_shape(fc) != expected_fc:
         raise ModelLoadError(
-            f"block drafter weight fc.weight has shape {list(fc.shape)}, expected "
+            f"block drafter weight fc.weight has shape {list(linear_shape(fc))}, expected "
             f"{list(expected_fc)} for {len(config.target_layer_ids)} target layers"
         )
-    layers = []
+    layers, context_kv = [], []
     for i in range(decoder.num_layers):
         p = f"layers.{i}."
-        attn = [t(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+        q, k, v = (lin(p + f"self_attn.{n}_proj") for n in ("q", "k", "v"))
+        context_kv += [k, v]
         qkv_bias = None
         if decoder.qkv_bias:
             qkv_bias = torch.cat([t(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
         layers.append(
             LayerWeights(
                 input_norm=t(p + "input_layernorm.weight"),
-                qkv=torch.cat(attn),
+                qkv=fuse_linears([q, k, v]),
                 qkv_bias=qkv_bias,
                 q_norm=t(p + "self_attn.q_norm.weight"),
                 k_norm=t(p + "self_attn.k_norm.weight"),
-                o_proj=t(p + "self_attn.o_proj.weight"),
+                o_proj=lin(p + "self_attn.o_proj"),
                 post_norm=t(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
-                down=t(p + "mlp.down_proj.weight"),
+                gate_up=fuse_linears([lin(p + "mlp.gate_proj"), lin(p + "mlp.up_proj")]),
+                down=lin(p + "mlp.down_proj"),
             )
         )
     final_norm = t("norm.weight")
     hidden_norm = t("hidden_norm.weight")
+    kv_scales = take_kv_scales(sd, decoder, device, prefix="layers.")
     unexpected = sorted(name for name in sd if name not in TARGET_OWNED_WEIGHTS)
     if unexpected:
         raise ModelLoadError(
@@ -266,8 +339,19 @@ def load_block_weights(
         layers=tuple(layers),
         final_norm=final_norm,
         lm_head=target.weights.lm_head,
+        kv_scales=kv_scales,
     )
-    return BlockDrafterWeights(fc=fc, hidden_norm=hidden_norm, decoder=decoder_weights)
+    packed_kv = None
+    if any(isinstance(w, QuantLinear) for w in context_kv):
+        try:
+            packed_kv = fuse_linears(context_kv)
+        except ModelLoadError:  # act-order differing by layer: one dense GEMM instead
+            packed_kv = torch.cat(
+                [w.dequantize() if isinstance(w, QuantLinear) else w for w in context_kv]
+            )
+    return BlockDrafterWeights(
+        fc=fc, hidden_norm=hidden_norm, decoder=decoder_weights, context_kv=packed_kv
+    )
 
 
 def load_block_drafter(model_dir: Path | str, target: Model) -> BlockDraftModel:

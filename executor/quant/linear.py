@@ -36,6 +36,13 @@ class QuantLinear:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def weight_nbytes(weight: torch.Tensor | QuantLinear) -> int:
+    """Device bytes of a dense tensor or of a QuantLinear's packed form."""
+    if isinstance(weight, QuantLinear):
+        return weight.nbytes
+    return weight.numel() * weight.element_size()
+
+
 def is_quantized(weights) -> bool:
     """Whether any linear layer of a `ModelWeights` is a `QuantLinear`."""
     return any(

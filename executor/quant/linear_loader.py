@@ -84,7 +84,12 @@ def take_one(sd: dict, prefix: str, scheme: QuantScheme | None, dtype, device):
 def take_linear(sd: dict, prefixes: list[str], scheme: QuantScheme | None, dtype, device):
     """The weights of `prefixes` (one layer, or layers fused along their outputs) as one dense
     [sum N, K] tensor or one QuantLinear."""
-    parts = [take_one(sd, p, scheme, dtype, device) for p in prefixes]
+    return fuse_linears([take_one(sd, p, scheme, dtype, device) for p in prefixes])
+
+
+def fuse_linears(parts: list):
+    """Linear weights that read one input (dense tensors or QuantLinears, as `take_one`
+    returns them) as one weight of their outputs side by side."""
     if len(parts) == 1:
         return parts[0]
     if all(isinstance(p, torch.Tensor) for p in parts):
@@ -92,3 +97,10 @@ def take_linear(sd: dict, prefixes: list[str], scheme: QuantScheme | None, dtype
     if len({type(p) for p in parts}) == 1:
         return parts[0].cat(parts)
     return torch.cat([p.dequantize() if isinstance(p, QuantLinear) else p for p in parts])
+
+
+def linear_shape(weight) -> tuple[int, int]:
+    """(out_features, in_features) of a dense [N, K] weight or a QuantLinear."""
+    if isinstance(weight, QuantLinear):
+        return weight.out_features, weight.in_features
+    return tuple(weight.shape)

@@ -95,6 +95,8 @@ def block_drafter_sections(
         "shape": shape,
         "block_size": cfg.block_size,
         "target_layer_ids": list(cfg.target_layer_ids),
+        # its own weights as held (packed layers at their size; embedding and lm_head: target's)
+        "weight_bytes": model.weight_bytes,
         "context_len": ref,
         # whole proposals: one forward of k blocks at c tokens of context, d drafts' logits
         "propose_ms": proposals,

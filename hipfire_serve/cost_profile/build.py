@@ -126,6 +126,9 @@ def build_profile(
       draft model catching up whole prompts, with `catchup_rows_per_pass`,
       `max_catchup_passes`, `catchup_pass_rows` and `catchup_pass_buckets` for a graphed
       drafter's passes, by which the cost model prices catch-ups of any length;
+    - `target.weight_bytes`, `draft_model.weight_bytes`, `block_drafter.weight_bytes`: the
+      weights' bytes as the model holds them on the device (a quantized checkpoint's packed
+      layers at their packed size; GGUF and, on a CPU, FP8 weights are dequantized at load);
     - `drafter_host`: a drafter without a model, its proposals' host time by requests;
     - `target.recurrent` (hybrid targets): the recurrent state's bytes per sequence and the
       journal's per SPEC row (`cost_profile.hybrid`), which the rounds above include;
@@ -149,7 +152,8 @@ def build_profile(
                 continue
             grid.append([n, kv_len, round(timer.time_round(n, kv_len, repeats), 4)])
     elt = target.weights.embed.element_size()
-    kv_bytes = cfg.kv_bytes_per_token(elt)
+    # the KV a round reads is in the cache's dtype (FP8: one byte), not the weights'
+    kv_bytes = cfg.kv_bytes_per_token(target.kv_cache_dtype.itemsize)
     prefill_rows_ms = time_prefill_rows(
         timer, max(2, min(repeats, 5)), engine.config.max_prefill_tokens, engine.max_model_len
     )
@@ -245,7 +249,7 @@ def build_profile(
                 f"heads, {cfg.num_kv_heads} kv heads, head_dim {cfg.head_dim}, vocab "
                 f"{cfg.vocab_size}"
             ),
-            "weight_bytes": target.num_params * elt,
+            "weight_bytes": target.weight_bytes,  # as held: packed layers at their size
             "rows_ms": rows_ms,
             "kv_bytes_per_token": kv_bytes,
             "kv_read_TBps_assumed": float(f"{kv_rate:.4g}"),
@@ -316,6 +320,7 @@ def draft_model_section(
     return {
         "shape": f"{draft_model.config.arch}: hidden {draft_model.config.hidden_size}, "
         f"{draft_model.config.num_layers} layers",
+        "weight_bytes": draft_model.weight_bytes,  # as held: packed layers at their size
         # at the target's reference context: a step reads every drafting request's KV
         "rows_ms_per_step": time_draft_steps(
             draft_model, draft_rows, repeats, context_len=ref, bench=bench

@@ -1,5 +1,5 @@
 """Where profiles are cached: under the user's cache directory, by a key of the models, device,
-dtype and executor configuration (and the profile's format)."""
+dtype, KV cache dtype and executor configuration (and the profile's format)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def profile_key(
     dtype: torch.dtype,
     block_size: int,
     max_slots: int,
+    kv_cache_dtype: str = "auto",
 ) -> str:
     h = hashlib.sha256()
     for path in (target_dir, draft):
@@ -35,6 +36,8 @@ def profile_key(
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     h.update(f"{name}|{dtype}|{block_size}|{max_slots}|{torch.__version__}".encode())
     h.update(f"|format {PROFILE_FORMAT}".encode())
+    if kv_cache_dtype != "auto":  # an FP8 cache halves the KV a round reads; keys of auto stay
+        h.update(f"|kv {kv_cache_dtype}".encode())
     return h.hexdigest()[:16]
 
 
@@ -47,6 +50,8 @@ def engine_profile_key(engine: Engine) -> str:
         engine.target.dtype,
         engine.config.block_size,
         engine.config.max_concurrency,
+        # fp8 and fp8_e4m3 are one storage
+        "auto" if engine.config.kv_cache_dtype == "auto" else "fp8_e4m3",
     )
 
 

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--spec-depth", type=int, default=8)
     ap.add_argument("--kv-cache-memory", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
     ap.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)))
     ap.add_argument("--kv-lens", default=",".join(map(str, DEFAULT_KV_LENS)))
     ap.add_argument("--repeats", type=int, default=10)
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_concurrency=args.max_concurrency,
                 spec_depth=args.spec_depth,
                 kv_cache_memory=args.kv_cache_memory,
+                kv_cache_dtype=args.kv_cache_dtype,
                 graphs=args.graphs,
                 spec_mode="ar",
             )

@@ -9,6 +9,7 @@ they are; the thread loop hands the same objects across threads without encoding
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,25 @@ StatsT = TypeVar("StatsT")
 # Wait before the step after a failed one: an engine whose bookkeeping broke may still report
 # work, and retrying at once would spin on the same failing round.
 FAILED_STEP_PAUSE_S = 0.05
+
+
+def serving_threads(engine: Any) -> int | None:
+    """Leaves a core to the event loop: a CPU engine's torch intra-op threads become one fewer
+    than the cores this process may run on (at most torch's own choice, at least one), unless
+    OMP_NUM_THREADS sets them. The event loop, the clients of a local benchmark and torch's
+    pool then never want more cores than there are: an intra-op pool as wide as the machine
+    waits at every op's barrier for a worker the loop has displaced (a decode round of the
+    demo model on 2 cores took about twice as long served as in-process). Returns the count
+    set, None where nothing was changed (a GPU engine, a test double, OMP_NUM_THREADS)."""
+    device = getattr(engine, "device", None)
+    if getattr(device, "type", None) != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, min(torch.get_num_threads(), (cores or 1) - 1))
+    torch.set_num_threads(threads)
+    return threads
 
 
 class AddCommand(msgspec.Struct, tag="add"):
@@ -99,12 +119,19 @@ def add_error(reply: AddReply) -> Exception | None:
 class EngineDriver:
     """Owns one engine on its own thread or process: `apply` takes commands between rounds,
     `run_round` steps once if there is work and returns the round's batch (None: nothing to
-    report). Keeps the ids of the requests in flight, so a failed step can abort them all."""
+    report). Keeps the ids of the requests in flight, so a failed step can abort them all.
+    Sets a CPU engine's torch threads for serving (`serving_threads`): torch applies the
+    count to threads started afterwards too, so the engine thread gets it."""
 
     def __init__(self, engine: Any) -> None:
         from hipfire_serve.engine import ContextLengthError, QueueFullError
 
         self.engine = engine
+        self.torch_threads = serving_threads(engine)
+        if self.torch_threads is not None:
+            logger.info(
+                "torch intra-op threads: %d (a core left to the event loop)", self.torch_threads
+            )
         self._queue_full_error = QueueFullError
         self._context_error = ContextLengthError
         self._live: set[str] = set()  # added, not yet finished or aborted

@@ -43,6 +43,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "engine rounds/s with the HTTP server vs without",
     ),
+    "host-cost": (
+        "loadtests.lab.host_cost",
+        "main",
+        "host cost per output token on a CPU: engine in-process and HTTP, round phases",
+    ),
     "kernels": (
         "loadtests.lab.kernels.attention",
         "main",

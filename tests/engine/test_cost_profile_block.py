@@ -38,6 +38,7 @@ def test_the_profile_measures_the_block_drafter(block_profile):
     engine, prof = block_profile
     block = prof["block_drafter"]
     assert block["block_size"] == 8 and block["target_layer_ids"] == [0, 1]
+    assert block["weight_bytes"] == engine.drafter.model.weight_bytes > 0
     assert block_drafts(4) == (1, 3)
     # proposals: k over the powers of two up to the 4 slots, the profiled contexts and twice
     # the reference one (capped by the context), drafts 1 and 3 within spec depth 4

@@ -42,8 +42,11 @@ def _draft_model_engine_and_profile(tmp_path):
 
 
 def test_build_profile_measures_speculating_shapes(tmp_path):
-    _, prof = _draft_model_engine_and_profile(tmp_path)
+    engine, prof = _draft_model_engine_and_profile(tmp_path)
     t = prof["target"]
+    # the weights' bytes as held (a quantized model's packed layers at their size)
+    assert t["weight_bytes"] == engine.target.weight_bytes
+    assert prof["draft_model"]["weight_bytes"] == engine.drafter.model.weight_bytes > 0
     # k over the powers of two up to the 4 slots, r in (2, 4) within spec depth 4
     assert [(k, r) for k, r, _ in t["spec_rows_ms"]] == [(k, r) for k in (1, 2, 4) for r in (2, 4)]
     assert all(ms > 0 for _, _, ms in t["spec_rows_ms"])

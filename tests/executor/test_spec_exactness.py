@@ -11,6 +11,7 @@ KV block pool must be back to idle after every run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
@@ -26,9 +27,11 @@ from executor.drafters.draft_model import DraftModelDrafter
 from executor.drafters.ngram import NgramDrafter
 from executor.drafters.rerank import OnlineReranker
 from executor.drafters.synthetic import SyntheticDrafter
+from executor.kv_cache import KVCache
 from executor.loader import load_model
 from executor.model import Model
 from executor.round_executor import RoundExecutor
+from kernels.kv_fp8 import FP8_KV_DTYPE
 from scheduler.plan import Mode, RoundPlan, SamplingSpec
 from scheduler.policy import Decision
 from scheduler.request import RequestSpec
@@ -426,6 +429,47 @@ def test_greedy_spec_equals_ar_under_random_modes(models, drafter_kind):
         # both EOS / stop ids and max_tokens cut accepted runs
         assert totals.stops_inside_run.get("stop", 0) > 0
         assert totals.stops_inside_run.get("length", 0) > 0
+
+
+@pytest.fixture(scope="module")
+def fp8_models(models) -> dict:
+    """The same models with FP8 KV caches (`--kv-cache-dtype fp8`; scales 1.0): the target's,
+    the draft models' and the block drafter's context cache."""
+
+    def fp8(model: Model) -> Model:
+        out = copy.copy(model)
+        out.kv_cache_dtype = FP8_KV_DTYPE
+        return out
+
+    out = {name: fp8(m) for name, m in models.items() if name != "block"}
+    out["block"] = copy.copy(models["block"])
+    out["block"].decoder = fp8(models["block"].decoder)
+    kv = KVCache.for_model(out["target"], num_blocks=1, block_size=BLOCK_SIZE)
+    assert kv.k[0].dtype == FP8_KV_DTYPE and models["target"].kv_cache_dtype == torch.float32
+    return out
+
+
+@pytest.mark.parametrize("drafter_kind", ("ngram", "draft-near", "draft-self", "block"))
+def test_greedy_spec_equals_ar_with_fp8_kv(fp8_models, drafter_kind):
+    """Exactness holds whatever the cache stores: a position's K/V are quantized the same way
+    whichever route computed them, and every row reads them back the same way."""
+    vocab = fp8_models["target"].config.vocab_size
+    num_drafted = num_accepted = 0
+    for trial in range(2):
+        rng = np.random.default_rng([trial, 7])
+        prompts = [random_prompt(rng, vocab) for _ in range(5)]
+        max_tokens = [int(rng.integers(8, 40)) for _ in range(5)]
+        refs = ar_reference(fp8_models, prompts, max_tokens)
+        specs, expected, finish = zip(
+            *(with_stops(rng, refs[i], max_tokens[i], i, prompts[i]) for i in range(5))
+        )
+        log = run_requests(fp8_models, list(specs), drafter_kind, rng)
+        for i in range(5):
+            assert log.outputs[i] == expected[i], f"trial {trial} request {i}"
+            assert log.finish[i] == finish[i]
+        num_drafted += log.num_drafted
+        num_accepted += log.num_accepted
+    assert num_drafted > 0 and (drafter_kind == "block" or num_accepted > 0)
 
 
 def test_greedy_spec_equals_ar_when_requests_are_preempted(models):

@@ -90,9 +90,9 @@ def _logged(model: Model, monkeypatch):
         return call
 
     ops = model.ops
-    model.ops = OpSet(
-        **{f.name: wrap(f.name, getattr(ops, f.name)) for f in dataclasses.fields(ops)}
-    )
+    fields = {f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)}
+    # (an op set without a forward plan leaves the field None: nothing to wrap)
+    model.ops = OpSet(**{n: fn if fn is None else wrap(n, fn) for n, fn in fields.items()})
     try:
         with _KernelLog(log, inside):
             yield log
