@@ -47,6 +47,9 @@ FLAGS = {
     "--device": ("device", str, "torch device ('auto', 'cuda', 'cpu')"),
     "--dtype": ("dtype", str, "the dense format's dtype"),
     "--graphs": ("graphs", str, "decode graphs: lazy, startup or off"),
+    "--spec-mode": ("spec_mode", str, "ar (plain decoding) or adaptive (the engine's policy)"),
+    "--draft": ("draft", str, "the drafter of --spec-mode adaptive"),
+    "--kv-cache-dtype": ("kv_cache_dtype", str, "auto (the activations' dtype) or fp8"),
     "--time-budget-s": ("time_budget_s", float, "wall-clock bound of the whole call"),
 }
 
@@ -91,6 +94,9 @@ def run_format(fmt: str, cfg: QuantConfig, deadline: float, tmp: Path) -> dict:
         "deadline": deadline,
         "dtype": cfg.dtype,
         "model_path": cfg.model,
+        "spec_mode": cfg.spec_mode,
+        "draft": "none" if cfg.spec_mode == "ar" else cfg.draft,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
         "group_size": cfg.group_size,
         "fp8_block": list(cfg.fp8_block),
         "agreement": {"prompts": cfg.agreement_prompts, "tokens": cfg.agreement_tokens},

@@ -4,8 +4,8 @@ The target is the random-weight model of the spec's shape (seed 0: the same weig
 child), served as built (bf16) or encoded into a released layout and read back by the loader
 (`quant_layouts.quantized_model`). The child records the bytes a decode step reads of those
 weights and the linear layers' path, the greedy tokens of the agreement prompts, then the wave
-points of `peer/drive.py` through `hipfire_serve.LLM` (plain decoding, greedy, EOS ignored,
-no prefix caching)."""
+points of `peer/drive.py` through `hipfire_serve.LLM` (the spec's spec_mode and draft, greedy,
+EOS ignored, no prefix caching)."""
 
 from __future__ import annotations
 
@@ -74,8 +74,9 @@ def linear_path(model) -> str:
     kernels = model.ops.linear is not torch.nn.functional.linear
     if isinstance(qkv, Fp8Linear):
         return (
-            "FP8 W8A8: torch._scaled_mm with row-wise scales (the 128x128 block scales "
-            "requantized per output channel at load), activations scaled per token"
+            "FP8 (the 128x128 block scales requantized per output channel at load): 1-16 rows "
+            "W8A16 through Triton kernels/fp8_linear.py, more rows W8A8 through "
+            "torch._scaled_mm with row-wise scales, activations scaled per token"
         )
     if isinstance(qkv, Int4Linear):
         if kernels:

@@ -29,9 +29,11 @@ random weights (seed 0); fp8 and w4a16 encode them into the released layout
 engine serves exactly what it would load from such a checkpoint. Each child then decodes
 greedily the agreement prompts (their tokens are compared with bf16's: a sanity figure, not a
 check) and measures the wave at every C through hipfire_serve.LLM (loadtests/lab/peer/drive.py:
-decode tok/s = C*N / (tN - t1); plain decoding, no drafter, EOS ignored, no prefix caching,
-decode graphs captured at first use, kept out of the figures by the best of --repeats). A point
-that would pass the deadline is skipped and listed.
+decode tok/s = C*N / (tN - t1); greedy, EOS ignored, no prefix caching, decode graphs
+captured at first use, kept out of the figures by the best of --repeats). --spec-mode ar decodes
+plainly; --spec-mode adaptive lets the engine's policy choose AR or speculation each round with
+--draft's drafter (on random weights, acceptance is whatever the model's own repetitions give).
+A point that would pass the deadline is skipped and listed.
 """
 
 
@@ -54,6 +56,10 @@ class QuantConfig:
     device: str = "auto"
     dtype: str = "bfloat16"  # the dense format's and the activations' dtype
     graphs: str = "lazy"
+    # "ar": plain decoding; "adaptive": the engine's policy chooses per round, with `draft`
+    spec_mode: str = "ar"
+    draft: str = "ngram"  # the adaptive runs' drafter (prompt lookup)
+    kv_cache_dtype: str = "auto"  # "fp8": the KV cache in e4m3 with per-head scales
     time_budget_s: float = 540.0
 
     def peer(self) -> PeerConfig:
@@ -90,6 +96,10 @@ class QuantConfig:
             raise ValueError(f"--group-size: 32, 64 or 128 (got {self.group_size})")
         if len(self.fp8_block) != 2 or min(self.fp8_block) < 1:
             raise ValueError(f"--fp8-block: BN,BK, both positive (got {self.fp8_block})")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"--kv-cache-dtype: auto or fp8 (got {self.kv_cache_dtype!r})")
+        if self.spec_mode not in ("ar", "adaptive"):
+            raise ValueError(f"--spec-mode: ar or adaptive (got {self.spec_mode!r})")
         if len(self.wave_prompt_len) != 2:
             raise ValueError(f"--wave-prompt-len: MIN,MAX (got {self.wave_prompt_len})")
         self.peer().validate()
@@ -119,7 +129,7 @@ def format_roofline(cfg: QuantConfig, shape, weight_bytes: dict, fmt: str, ceili
     bw = (ceilings or {}).get("copy_read_plus_write_TBps")
     gemm = (ceilings or {}).get("bf16_gemm_TFLOPs")
     dense_rate = gemm * (FP8_GEMM_SPEEDUP if fmt == "fp8" else 1.0) if gemm else None
-    elt = DTYPE_BYTES[cfg.dtype]
+    elt = 1 if cfg.kv_cache_dtype != "auto" else DTYPE_BYTES[cfg.dtype]  # KV bytes per value
     peer = cfg.peer()
     out = []
     for c in cfg.concurrency:

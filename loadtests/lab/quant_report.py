@@ -85,6 +85,26 @@ def _decode_table(record: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _spec_table(record: dict) -> list[str]:
+    """Under --spec-mode adaptive: per C and format, the share of decode rounds the policy ran
+    speculatively (of the timed N-token waves)."""
+    if record["config"].get("spec_mode", "ar") == "ar":
+        return []
+    names = list(record["formats"])
+    waves = {n: _by_c(record["formats"][n].get("wave", [])) for n in names}
+    cs = sorted({c for w in waves.values() for c in w})
+    lines = [
+        "## Decode rounds the adaptive policy ran speculatively",
+        "",
+        "| C |" + "".join(f" {LABELS.get(n, n)} |" for n in names),
+        "|---|" + "---|" * len(names),
+    ]
+    for c in cs:
+        shares = (waves[n].get(c, {}).get("spec_share") for n in names)
+        lines.append(f"| {c} |" + "".join(f" {_f(v, 2)} |" for v in shares))
+    return [*lines, ""]
+
+
 def _ratio_table(record: dict) -> list[str]:
     others = [n for n in record["formats"] if n != BASELINE]
     if not record["ratios"] or not others:
@@ -124,8 +144,12 @@ def _problems(record: dict) -> list[str]:
 def markdown(record: dict, name: str = "quant") -> str:
     cfg, meta, ceil = record["config"], record["meta"], record["ceilings"]
     lo, hi = cfg["wave_prompt_len"]
+    mode = cfg.get("spec_mode", "ar")
+    decoding = "plain decoding" if mode == "ar" else f"adaptive speculation ({cfg['draft']})"
+    kv = cfg["dtype"] if cfg.get("kv_cache_dtype", "auto") == "auto" else "FP8 (e4m3)"
     lines = [
-        "# Quantized weights: plain decoding in bf16, FP8 and W4A16",
+        f"# Quantized weights: {decoding} in {', '.join(LABELS.get(f, f) for f in cfg['formats'])}"
+        + ("" if cfg.get("kv_cache_dtype", "auto") == "auto" else ", FP8 KV cache"),
         "",
         f"Measured on {meta.get('device') or 'unknown'}, {meta['date']}, torch "
         f"{meta.get('torch') or '-'}, commit `{meta['commit']}`, by `hipfire-bench quant` "
@@ -148,8 +172,9 @@ def markdown(record: dict, name: str = "quant") -> str:
         ]
     lines += [
         f"Model `{cfg['model']}` (random weights, seed 0, the same in every format; "
-        f"{record['shape']['num_params'] / 1e6:,.1f} M parameters), activations and KV in "
-        f"{cfg['dtype']}. Wave: C requests at once, prompts uniform in [{lo}, {hi}] tokens, "
+        f"{record['shape']['num_params'] / 1e6:,.1f} M parameters), activations in "
+        f"{cfg['dtype']}, KV in {kv}. Wave: C requests at once, prompts uniform in "
+        f"[{lo}, {hi}] tokens, "
         f"1 + {cfg['decode_tokens']} tokens each, best of {cfg['repeats']}; decode tok/s = "
         f"C x {cfg['decode_tokens']} / (tN - t1). W4A16: GPTQ, group {cfg['group_size']}, "
         f"symmetric; FP8: e4m3 with {cfg['fp8_block'][0]} x {cfg['fp8_block'][1]} block "
@@ -163,6 +188,7 @@ def markdown(record: dict, name: str = "quant") -> str:
         "",
         *_formats_table(record),
         *_decode_table(record),
+        *_spec_table(record),
         *_ratio_table(record),
         *_problems(record),
         "## Method",

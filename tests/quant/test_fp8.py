@@ -1,8 +1,8 @@
 """FP8 checkpoints with per-tensor, per-channel and 128 x 128 block scales (the last as Qwen3's
 FP8 release stores them: `weight_scale_inv`, `weight_block_size`) load on the CPU dequantized
 into the dense weights they stand for; the GPU's W8A8 product (`scaled_mm_linear`: dynamic
-per-token activation scales, row-wise `torch._scaled_mm`) is checked here through torch's CPU
-implementation of the same call."""
+per-token activation scales, row-wise `torch._scaled_mm`) is checked here on the GPU where there
+is one, else through torch's CPU implementation of the same call."""
 
 from __future__ import annotations
 
@@ -47,10 +47,12 @@ def _fp8_weight(n: int, k: int, seed: int):
 
 
 def test_w8a8_product_tracks_the_dequantized_weight():
-    weight, scale = _fp8_weight(48, 256, seed=1)
+    # on a GPU where there is one: some torch builds' CPU _scaled_mm lacks row-wise scales
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    weight, scale = (t.to(dev) for t in _fp8_weight(48, 256, seed=1))
     x = torch.randn((5, 256), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     x[3] *= 40.0  # one row far larger: per-token scales keep the others exact
-    bias = torch.randn(48).to(torch.bfloat16)
+    x, bias = x.to(dev), torch.randn(48).to(torch.bfloat16).to(dev)
     layer = fp8.Fp8Linear(weight, scale, torch.bfloat16)
     ref = torch.nn.functional.linear(x.float(), layer.dequantize().float(), bias.float())
     out = fp8.scaled_mm_linear(x, weight, scale, bias)

@@ -37,7 +37,8 @@ FIT_MARGIN = 1.2
 
 class Backend(Protocol):
     """An engine's offline loop; it may also have `cache_counts() -> (queries, hits)`, the
-    prefix cache's token counters so far."""
+    prefix cache's token counters so far, and `round_routes() -> str`, one letter per round
+    since the last call ('A' plain, 'S' speculative decode, others prefill)."""
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         """Runs all prompts greedily, ignoring EOS; the output length of each."""
@@ -61,9 +62,12 @@ def wave_point(backend: Backend, cfg: PeerConfig, c: int, vocab: int) -> dict:
     prompts = wave_prompts(cfg, c, vocab)
     n = cfg.decode_tokens
     t1 = min(_timed(backend, prompts, 1) for _ in range(cfg.repeats))
+    routes = getattr(backend, "round_routes", None)
+    if routes is not None:
+        routes()  # the rounds so far are not the decode's
     tn = min(_timed(backend, prompts, 1 + n) for _ in range(cfg.repeats))
     decode_s = tn - t1
-    return {
+    point = {
         "C": c,
         "prompt_tokens": sum(map(len, prompts)),
         "t1_s": t1,
@@ -72,6 +76,11 @@ def wave_point(backend: Backend, cfg: PeerConfig, c: int, vocab: int) -> dict:
         "step_ms": 1e3 * decode_s / n if decode_s > 0 else None,
         "wave_tok_s": c * (1 + n) / tn if tn > 0 else None,
     }
+    if routes is not None:
+        decode = routes()
+        rounds = sum(decode.count(r) for r in "AS")
+        point["spec_share"] = decode.count("S") / rounds if rounds else None
+    return point
 
 
 class _LiveRun:

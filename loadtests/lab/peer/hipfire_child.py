@@ -1,5 +1,6 @@
 """This engine in its own process: `python -m loadtests.lab.peer.hipfire_child SPEC OUT`. Plain
-decoding (no drafter, every round AR), greedy, EOS ignored; prefix caching as the spec says."""
+decoding (no drafter, every round AR) unless the spec names a spec_mode and a draft; greedy, EOS
+ignored; prefix caching and the KV cache's dtype as the spec says."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ class HipfireBackend:
         c = self.engine.scheduler.prefix_cache.counters
         return sum(c.queries.values()), sum(c.hits.values())
 
+    def round_routes(self) -> str:
+        return "".join(r.route for r in self.engine.stats().rounds)
+
     def step(self) -> list[tuple[str, int, bool]]:
         # the engine's outputs carry each step's new tokens only
         return [(o.request_id, len(o.outputs[0].token_ids), o.finished) for o in self.engine.step()]
@@ -45,11 +49,12 @@ def build(spec: dict, result: dict) -> tuple[HipfireBackend, int]:
     cfg = PeerConfig.from_json(spec["config"])
     llm = LLM(
         model=spec["model_path"],
-        draft="none",
-        spec_mode="ar",
+        draft=spec.get("draft", "none"),
+        spec_mode=spec.get("spec_mode", "ar"),
         max_concurrency=max(cfg.concurrency),
         max_model_len=cfg.max_model_len,
         enable_prefix_caching=bool(spec.get("prefix_caching")),
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         graphs=cfg.hipfire_graphs,
         device=cfg.device,
         dtype=spec["dtype"],
@@ -71,6 +76,7 @@ def build(spec: dict, result: dict) -> tuple[HipfireBackend, int]:
             "overlap_rounds": econf.overlap_rounds,
             "enable_prefix_caching": econf.enable_prefix_caching,
             "spec_mode": econf.spec_mode,
+            "kv_cache_dtype": econf.kv_cache_dtype,
             "dtype": str(engine.target.weights.embed.dtype).removeprefix("torch."),
             "weight_bytes": engine.target.num_params * engine.target.weights.embed.element_size(),
         },

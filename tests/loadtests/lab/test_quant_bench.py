@@ -130,3 +130,15 @@ def test_layouts_load_back_into_the_weights_they_encode():
     assert gptq.weights.lm_head is gptq.weights.embed or torch.equal(
         gptq.weights.lm_head, model.weights.lm_head
     )
+
+
+def test_spec_mode_flag(tmp_path, capsys):
+    from loadtests.lab.quant_bench import build_parser, config_from_args, main
+
+    args = build_parser().parse_args(["--out", str(tmp_path), "--quick", "--spec-mode", "adaptive"])
+    cfg = config_from_args(args)
+    assert (cfg.spec_mode, cfg.draft) == ("adaptive", "ngram")
+    assert main(["--out", str(tmp_path), "--quick", "--spec-mode", "sometimes"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--spec-mode: ar or adaptive" in err
+    assert not list(tmp_path.iterdir())  # refused before anything ran
