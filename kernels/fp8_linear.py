@@ -10,7 +10,7 @@ once, so the kernel streams it in FP8 (half the bytes of bf16) and never quantiz
   to `fma_rows` rows, through fp32 multiply-adds. The scale multiplies each output column once,
   after the sum over K; then the bias is added and the result cast to x's dtype;
 - split-K when the N tiles alone leave compute units idle (`fill_split`, as the int4 kernel):
-  each split writes fp32 partial sums and a second small kernel adds them in split order,
+  each split writes fp32 partial sums and `kernels/split_reduce.py` adds them in split order,
   applies the scale and the bias and casts, so results do not vary run to run.
 The weight is read one of two ways, per GPU family (`Fp8Tiles.decode_bits`): as float8 and
 converted by the hardware (Hopper), or as uint8 bytes decoded into fp32 by integer arithmetic
@@ -18,7 +18,8 @@ converted by the hardware (Hopper), or as uint8 bytes decoded into fp32 by integ
 bytes are the one form every family reads alike, RDNA4 (gfx12) included. The byte decode is
 exact for every finite code; the two NaN codes read as +-480, as Triton's interpreter converts
 them, and quantized checkpoints hold none.
-Launch settings per GPU family are in `FP8_TILES`; they are not tuned yet, only compile-checked
+Launch settings per GPU family are in `FP8_TILES`: Hopper's from the tile sweep of
+`hipfire-bench quant-linear` (docs/perf/quant-linear.md), the others only compile-checked
 (tests/kernels/fp8_compile.py). More rows than `SKINNY_MAX_ROWS` are not this module's:
 `executor/quant/fp8.py` sends them to `torch._scaled_mm` (W8A8).
 """
@@ -33,10 +34,10 @@ import triton.language as tl
 
 from kernels.arch import arch_config, launch_options, num_compute_units
 from kernels.int4_linear import fill_split
+from kernels.split_reduce import reduce_splits
 
 SKINNY_MAX_ROWS = 16
 DOT_ROWS = 16  # tl.dot needs 16 along each dimension: dot tiles pad the rows to this
-_REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,12 @@ class Fp8Tiles:
 
 
 FP8_TILES: dict[str, Fp8Tiles] = {
-    # 64 x 256 tiles of W (16 KB per stage) in three stages; the bf16 skinny kernel's H200
-    # table (kernels/skinny_linear.py, docs/perf/linear.md) chose dot tiles at every row count,
-    # one row included, so no row count takes the multiply-add path here. sm_90 converts e4m3
+    # 64 x 128 tiles of W (8 KB per stage) in three stages, dot tiles at every row count:
+    # the least summed time over Qwen3-8B's projections at 1 and 16 rows in the H200 sweep
+    # (docs/perf/quant-linear.md), within 0.3% of each point's own best. sm_90 converts e4m3
     # in hardware.
     "hopper": Fp8Tiles(
-        skinny=Fp8SkinnyConfig(64, 256, 1, 4, 3, True), fma_rows=0, decode_bits=False
+        skinny=Fp8SkinnyConfig(64, 128, 1, 4, 3, True), fma_rows=0, decode_bits=False
     ),
     # wave32 WMMA (16 x 16 x 16), 64 KB LDS: 64 x 128 dot tiles in four waves, two stages.
     "rdna3": Fp8Tiles(skinny=Fp8SkinnyConfig(64, 128, 1, 4, 2, True), waves_per_eu=2),
@@ -139,23 +140,6 @@ def _fp8_skinny_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_splits"])
-def _fp8_reduce_kernel(
-    part_ptr, scale_ptr, bias_ptr, out_ptr, num_rows, N, num_splits, stride_om,
-    BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(1)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    mask = offs < N
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, num_splits):  # split order: the same sum on every run
-        total += tl.load(part_ptr + (s * num_rows + row) * N + offs, mask=mask, other=0.0)
-    total *= tl.load(scale_ptr + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def _check(x, weight, scale, bias) -> tuple[int, int, int]:
     assert x.dim() == 2 and x.stride(1) == 1, "x [M, K] with K contiguous"
     num_rows, k = x.shape
@@ -195,10 +179,7 @@ def fp8_skinny(x, weight, scale, bias, config: Fp8SkinnyConfig, decode_bits: boo
         num_warps=config.num_warps, num_stages=config.num_stages, **options,
     )  # fmt: skip
     if split:
-        _fp8_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), num_rows)](
-            dest, scale, bias_arg, out, num_rows, n, num_splits, out.stride(0),
-            BLOCK=_REDUCE_BLOCK, HAS_BIAS=bias is not None, num_warps=4, **options,
-        )  # fmt: skip
+        reduce_splits(dest, out, scale, bias, options)
     return out
 
 

@@ -4,14 +4,17 @@ One packed layout for every format the loader accepts (GPTQ, AWQ and compressed-
 converted to it at load): `qweight` int32 [K / 8, N], nibble i of row r holding W[n, 8 r + i]
 (0..15); `scales` [G, N] in x's dtype and `zeros` uint8 [G, N], G groups along K; the weight is
 (q - zero) * scale of its group, the group of input k being `g_idx[k]` (act-order) or
-k // group_size. Two kernels share the dequantization of a [BLOCK_K, BLOCK_N] tile (int32 loads,
-shifts, fp32 scale, cast to x's dtype, so tl.dot runs on the matrix units):
+k // group_size. Two kernels share the dequantization of a [BLOCK_K, BLOCK_N] tile (each packed
+int32 loaded once and split into its 8 nibbles, fp32 scale, cast to x's dtype, so tl.dot runs on
+the matrix units):
 - `int4_skinny` for 1-16 rows: grid (N / BLOCK_N, SPLIT_K), the weight streamed once along K,
-  split-K (fp32 partials summed in split order: deterministic) when the N tiles alone leave
+  split-K (fp32 partials summed in split order by kernels/split_reduce.py: deterministic,
+  the bias added in the same launch) when the N tiles alone leave
   compute units idle; 1-2 rows use fp32 multiply-adds instead of a dot padded to 16 rows;
 - `int4_tiled` for more rows: [BLOCK_M, BLOCK_N] output tiles in grouped order (programs that
   read the same weight columns run together, so the packed tiles are L2 hits).
-Launch settings per GPU family are in `INT4_TILES`; they are not tuned yet, only compile-checked
+Launch settings per GPU family are in `INT4_TILES`: Hopper's skinny tile from the sweep of
+`hipfire-bench quant-linear` (docs/perf/quant-linear.md), the rest only compile-checked
 (tests/kernels/int4_compile.py). Accumulation is fp32; the output has x's dtype.
 """
 
@@ -24,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.arch import arch_config, launch_options, num_compute_units
+from kernels.split_reduce import reduce_splits
 
 SKINNY_MAX_ROWS = 16
 DOT_ROWS = 16  # tl.dot needs 16 along each dimension: skinny dot tiles pad the rows to this
@@ -60,10 +64,14 @@ class Int4Tiles:
 
 
 INT4_TILES: dict[str, Int4Tiles] = {
-    # wgmma wants 64-row multiples; 227 KB of shared memory holds three stages of 128 x 128
-    # outputs with 64-deep K tiles.
+    # skinny: 128 x 128 dot tiles, three stages, at every row count (the least summed time
+    # over Qwen3-8B's projections at 1 and 16 rows in the H200 sweep, docs/perf/quant-linear.md;
+    # a 64 x 128 multiply-add tile is 6% faster at one row); tiled: wgmma wants 64-row
+    # multiples, and 227 KB of shared memory holds three stages of 128 x 128 outputs with
+    # 64-deep K tiles.
     "hopper": Int4Tiles(
-        skinny=Int4SkinnyConfig(64, 128, 1, 4, 3, True),
+        skinny=Int4SkinnyConfig(128, 128, 1, 4, 3, True),
+        fma_rows=0,
         tiled=Int4TiledConfig(128, 128, 64, 8, 8, 3),
     ),
     "ampere_ada": Int4Tiles(
@@ -93,15 +101,19 @@ INT4_TILES: dict[str, Int4Tiles] = {
 
 @triton.jit
 def _dequant_tile(
-    qw_ptr, s_ptr, z_ptr, g_ptr, kk, k_mask, offs_n, n_mask, N, group_size, k0,
-    HAS_GIDX: tl.constexpr, SCALE_ROW: tl.constexpr,
+    qw_ptr, s_ptr, z_ptr, g_ptr, kk, k_mask, offs_n, n_mask, N, K, group_size, k0,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GIDX: tl.constexpr,
+    SCALE_ROW: tl.constexpr,
 ):
     """The fp32 weight tile W^T[kk, offs_n] -> [BLOCK_K, BLOCK_N]. SCALE_ROW: the whole tile
     lies in one group (K tiles aligned inside groups), so one row of scales and zeros serves it."""
     mask = k_mask[:, None] & n_mask[None, :]
-    rows = (kk // 8).to(tl.int64)
-    packed = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
-    q = (packed >> ((kk % 8) * 4)[:, None]) & 0xF  # [BLOCK_K, BLOCK_N] int32
+    # each packed int32 is loaded once and split into its 8 nibbles (inputs 8 r .. 8 r + 7)
+    rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K / 8]; k0 is a multiple of 8
+    packed = tl.load(qw_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :],
+                     mask=(rows * 8 < K)[:, None] & n_mask[None, :], other=0)  # fmt: skip
+    nibbles = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+    q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))  # [BLOCK_K, BLOCK_N] int32, row 8 r + i
     if SCALE_ROW:
         g = k0 // group_size
         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -137,8 +149,8 @@ def _int4_skinny_kernel(
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, kk, k_mask, offs_n, n_mask, N,
-                          group_size, k0, HAS_GIDX, SCALE_ROW)  # fmt: skip
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, kk, k_mask, offs_n, n_mask, N, K,
+                          group_size, k0, BLOCK_K, BLOCK_N, HAS_GIDX, SCALE_ROW)  # fmt: skip
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
         if USE_DOT:
@@ -182,8 +194,8 @@ def _int4_tiled_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, kk, k_mask, offs_n, n_mask, N,
-                          group_size, k0, HAS_GIDX, SCALE_ROW)  # fmt: skip
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, kk, k_mask, offs_n, n_mask, N, K,
+                          group_size, k0, BLOCK_K, BLOCK_N, HAS_GIDX, SCALE_ROW)  # fmt: skip
         x = tl.load(x_ptr + x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)  # fmt: skip
         acc = tl.dot(x, w.to(x_ptr.dtype.element_ty), acc)
@@ -250,10 +262,7 @@ def int4_skinny(x, qweight, scales, zeros, g_idx, group_size, bias, config: Int4
         **_amd_options(x.device),
     )  # fmt: skip
     if split:
-        total = dest.sum(0)
-        if bias is not None:
-            total += bias.float()
-        out.copy_(total)
+        reduce_splits(dest, out, None, bias, _amd_options(x.device))
     return out
 
 

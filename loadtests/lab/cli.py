@@ -67,7 +67,12 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "quant": (
         "loadtests.lab.quant_bench",
         "main",
-        "plain decoding in bf16, FP8 and W4A16 against each format's roofline",
+        "decoding in bf16, FP8 and W4A16 against each format's roofline (AR or adaptive)",
+    ),
+    "quant-linear": (
+        "loadtests.lab.kernels.quant_linear",
+        "main",
+        "FP8 and int4 skinny kernels vs bf16 cuBLAS, tile sweep",
     ),
     "pdl": ("loadtests.lab.kernels.pdl", "main", "programmatic dependent launch on graphed decode"),
     "phase-profile": ("loadtests.lab.phase_profile", "main", "decode step device time by phase"),

@@ -16,7 +16,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from kernels.arch import FAMILY_CONFIGS
-from kernels.fp8_linear import DOT_ROWS, FP8_TILES, _fp8_reduce_kernel, _fp8_skinny_kernel
+from kernels.fp8_linear import DOT_ROWS, FP8_TILES, _fp8_skinny_kernel
+from kernels.split_reduce import _reduce_kernel
 from tests.kernels.sm90 import ast_source
 
 TARGETS = {
@@ -91,10 +92,10 @@ def variants(family: str):
             (f.num_warps, f.num_stages),
         )
     yield (
-        _fp8_reduce_kernel,
+        _reduce_kernel,
         "reduce bf16",
         _arg_type("bf16", bits, False),
-        dict(BLOCK=1024, HAS_BIAS=True),
+        dict(BLOCK=1024, HAS_SCALE=True, HAS_BIAS=True),
         (4, 1),
     )
 

@@ -51,8 +51,10 @@ def _inputs(rows: int, k: int, n: int, dtype, seed: int, bias: bool):
 
 def _close(out, ref, dtype):
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    # one output rounding of the dtype: bf16 keeps 8 significant bits, fp16 11
-    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype]
+    # one output rounding of the dtype: bf16 keeps 8 significant bits, fp16 11; fp32 dots run
+    # in TF32 (10 bits) on NVIDIA GPUs, exactly in the interpreter
+    fp32 = 1e-4 if DEVICE == "cpu" else 3e-3
+    tol = {torch.float32: fp32, torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype]
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= tol * max(1.0, ref.float().abs().max().item()), err
 
@@ -110,7 +112,9 @@ def test_dispatch_picks_a_kernel_that_matches(rows):
 def test_launch_rules():
     tiles = INT4_TILES["hopper"]
     one = skinny_config(tiles, 4096, 4096, 1, 132, None, 128)
-    assert not one.use_dot and one.block_k == 128  # one row: multiply-adds
+    assert one.use_dot and one.block_k == 128  # Hopper: dot tiles at one row too
+    fma = skinny_config(INT4_TILES["default"], 4096, 4096, 1, 40, None, 128)
+    assert not fma.use_dot and fma.num_stages == 1  # elsewhere one row multiplies-adds
     many = skinny_config(tiles, 4096, 4096, 8, 132, None, 32)
     assert many.use_dot and many.block_k == 32  # a K tile inside each group of 32
     assert skinny_config(tiles, 4096, 4096, 8, 132, torch.zeros(1), 32).block_k == 128
