@@ -1,4 +1,5 @@
-"""y = (x @ W^T) * scale + bias for 1-16 rows of x with W held in FP8 (W8A16, weight-only).
+"""y = (x @ W^T) * scale + bias for 1-64 rows of x with W held in FP8 (W8A16, weight-only), and
+the per-token FP8 quantization of activations that the W8A8 product past 64 rows needs.
 
 The weight is float8_e4m3fn [N, K], row-major (K contiguous), with one float32 scale per output
 channel [N]; x is bf16, fp16 or fp32 [M, K]. At decode sizes the product is bound by reading W
@@ -6,9 +7,10 @@ once, so the kernel streams it in FP8 (half the bytes of bf16) and never quantiz
 - `fp8_skinny`: grid (N / BLOCK_N, SPLIT_K); each program streams [BLOCK_N, BLOCK_K] tiles of W
   along K, converts them to fp32 (exact: every e4m3 value is an fp32, bf16 and fp16 value) and
   multiplies them with the few rows of x: through `tl.dot` in x's dtype with the rows padded to
-  16 (W as the wide operand; fp32 x runs it in TF32 on NVIDIA, as the int4 kernel does), or, up
-  to `fma_rows` rows, through fp32 multiply-adds. The scale multiplies each output column once,
-  after the sum over K; then the bias is added and the result cast to x's dtype;
+  16, 32 or 64 (W as the wide operand; fp32 x runs it in TF32 on NVIDIA, as the int4 kernel
+  does), or, up to `fma_rows` rows, through fp32 multiply-adds. The scale multiplies each
+  output column once, after the sum over K; then the bias is added and the result cast to x's
+  dtype;
 - split-K when the N tiles alone leave compute units idle (`fill_split`, as the int4 kernel):
   each split writes fp32 partial sums and `kernels/split_reduce.py` adds them in split order,
   applies the scale and the bias and casts, so results do not vary run to run.
@@ -20,8 +22,10 @@ exact for every finite code; the two NaN codes read as +-480, as Triton's interp
 them, and quantized checkpoints hold none.
 Launch settings per GPU family are in `FP8_TILES`: Hopper's from the tile sweep of
 `hipfire-bench quant-linear` (docs/perf/quant-linear.md), the others only compile-checked
-(tests/kernels/fp8_compile.py). More rows than `SKINNY_MAX_ROWS` are not this module's:
-`executor/quant/fp8.py` sends them to `torch._scaled_mm` (W8A8).
+(tests/kernels/fp8_compile.py). More rows than `SKINNY_MAX_ROWS` go to `torch._scaled_mm`
+(W8A8, `executor/quant/fp8.py`), their activations scaled to FP8 by `quantize_rows`: one
+launch, one program per row (its absmax, then the scaled and rounded row), where torch's
+element-wise ops took five.
 """
 
 from __future__ import annotations
@@ -36,8 +40,13 @@ from kernels.arch import arch_config, launch_options, num_compute_units
 from kernels.int4_linear import fill_split
 from kernels.split_reduce import reduce_splits
 
-SKINNY_MAX_ROWS = 16
-DOT_ROWS = 16  # tl.dot needs 16 along each dimension: dot tiles pad the rows to this
+# W8A16 up to here: at 64 rows the weight read still bounds the product (64 x 2 FLOPs per
+# weight byte), and the per-token activation quantization that W8A8 needs costs more than the
+# dot tiles' conversion of W (docs/perf/quant-linear.md)
+SKINNY_MAX_ROWS = 64
+DOT_ROWS = 16  # tl.dot needs 16 along each dimension: dot tiles pad the rows to at least this
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+_QUANT_BLOCK = 1024  # inputs per step of quantize_rows
 
 
 @dataclass(frozen=True)
@@ -154,12 +163,14 @@ def _check(x, weight, scale, bias) -> tuple[int, int, int]:
 
 
 def fp8_skinny(x, weight, scale, bias, config: Fp8SkinnyConfig, decode_bits: bool):
-    """The skinny kernel with an explicit config (1-16 rows); `decode_bits` reads W as bytes.
+    """The skinny kernel with an explicit config (1-64 rows); `decode_bits` reads W as bytes.
     Buffers come from torch's caching allocator and the grid from the shapes, so a launch can
     be captured in a CUDA graph. -> [M, N] in x's dtype"""
     num_rows, n, k = _check(x, weight, scale, bias)
     assert 1 <= num_rows <= SKINNY_MAX_ROWS, f"1..{SKINNY_MAX_ROWS} rows, got {num_rows}"
-    block_m = DOT_ROWS if config.use_dot else triton.next_power_of_2(num_rows)
+    block_m = triton.next_power_of_2(num_rows)
+    if config.use_dot:
+        block_m = max(block_m, DOT_ROWS)
     per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     num_splits = triton.cdiv(k, per_split)
     split = num_splits > 1
@@ -194,12 +205,12 @@ def skinny_config(tiles: Fp8Tiles, n: int, k: int, num_rows: int, num_units: int
 
 
 def fp8_linear(
-    x: torch.Tensor,  # [M, K], M <= 16
+    x: torch.Tensor,  # [M, K], M <= SKINNY_MAX_ROWS
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """(x @ W^T) * scale (+ bias) -> [M, N] in x's dtype for 1-16 rows, with the device
+    """(x @ W^T) * scale (+ bias) -> [M, N] in x's dtype for 1-64 rows, with the device
     family's settings from `FP8_TILES`."""
     tiles = fp8_tiles(x.device)
     num_rows, n, k = x.shape[0], weight.shape[0], x.shape[1]
@@ -219,3 +230,45 @@ def fp8_linear_ref(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr, FMAX: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / FMAX, 1e-12)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + offs < K
+        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(v / scale, -FMAX), FMAX)
+        tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [M, K] scaled to e4m3fn by its own absmax / 448 (at least 1e-12), as
+    `quantize_rows_ref`. -> (float8 [M, K], float32 scales [M, 1])"""
+    assert x.dim() == 2 and x.stride(1) == 1, "x [M, K] with K contiguous"
+    num_rows, k = x.shape
+    q = torch.empty((num_rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    if num_rows:
+        _quantize_rows_kernel[(num_rows,)](
+            x, q, scale, k, x.stride(0), q.stride(0), BLOCK=_QUANT_BLOCK, FMAX=FP8_MAX,
+            num_warps=4,
+        )  # fmt: skip
+    return q, scale
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same per-token quantization through torch ops."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()  # [M, 1]
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [M, K]
+    return q, scale

@@ -5,10 +5,12 @@ the `weight_scale_inv` of Qwen3's and DeepSeek's FP8 releases, a multiplier desp
 On a CPU the loader dequantizes every FP8 weight into the model's dtype (`dequantize_fp8`). On
 a GPU an `Fp8Linear` keeps the weight in FP8 with one scale per output channel (a block-scaled
 weight is requantized to per-channel scales at load, an approximation of the checkpoint: one
-more FP8 rounding per weight). Decode-sized products (1-16 rows) run the W8A16 skinny kernel of
+more FP8 rounding per weight). Products of 1-64 rows run the W8A16 skinny kernel of
 `kernels/fp8_linear.py`, which streams the weight once and leaves the activations in their
 dtype; more rows multiply through `torch._scaled_mm` (W8A8), each activation row scaled to FP8
-at run time (its own absmax). Neither GPU path has been run on a GPU yet.
+at run time (its own absmax, `kernels.fp8_linear.quantize_rows`). Both paths are tested on the
+H200 (tests/kernels/test_fp8_linear.py, tests/quant/test_gpu_quant.py) and measured there
+(docs/perf/quant.md, docs/perf/quant-linear.md).
 """
 
 from __future__ import annotations
@@ -66,9 +68,11 @@ def scaled_mm_linear(x, weight, weight_scale, bias=None) -> torch.Tensor:
     """x [M, K] @ (weight * weight_scale[:, None])^T: every row of x scaled to FP8 by its own
     absmax (dynamic per-token), then one `torch._scaled_mm` with row-wise scales, bf16 out
     (what its row-wise mode produces), cast to x's dtype. -> [M, N]"""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()  # [M, 1]
-    x_scale = (amax / FP8_MAX).clamp(min=1e-12)
-    xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # [M, K]
+    from kernels import fp8_linear as k
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    # one fused launch on a GPU; torch's ops elsewhere (the same values)
+    xq, x_scale = (k.quantize_rows if x.is_cuda else k.quantize_rows_ref)(x)  # [M, K], [M, 1]
     out = torch._scaled_mm(
         xq,
         weight.t(),  # column-major [K, N], as the GEMM wants its second operand
@@ -96,7 +100,7 @@ class Fp8Linear(QuantLinear):
         if kernels and x.is_cuda:
             from kernels import fp8_linear as k
 
-            if 1 <= x2.shape[0] <= k.SKINNY_MAX_ROWS:  # decode: W8A16, the weight read once
+            if 1 <= x2.shape[0] <= k.SKINNY_MAX_ROWS:  # W8A16, the weight read once
                 out = k.fp8_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight,
                                    self.scale, bias)  # fmt: skip
             else:

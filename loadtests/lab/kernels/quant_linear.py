@@ -46,6 +46,7 @@ DOT_TILES = {
              for (w, s) in ((4, 3), (8, 4), (4, 2))],
 }  # fmt: skip
 FMA_TILES = {"fp8": [(32, 128, 4, 2), (64, 256, 4, 2)], "int4": [(32, 64, 4, 1), (64, 128, 4, 1)]}
+INT4_MAX_ROWS = 16  # kernels/int4_linear.py's skinny kernel; more rows run its tiled one
 ROTATE_BYTES = 256 << 20
 REPLAY_US = 3000.0
 MAX_REL_ERR = 2e-2
@@ -212,7 +213,8 @@ def markdown(record: dict) -> str:
     lines = [
         f"# Quantized skinny linear kernels, {record['device']}, {record['date']}",
         "",
-        f"By `hipfire-bench quant-linear` (JSON: `quant-linear.json`), torch {record['torch']}, "
+        f"By `hipfire-bench quant-linear` (JSON: `quant-linear.json`) at commit "
+        f"`{record.get('commit', '-')}`, torch {record['torch']}, "
         f"Triton {record['triton']}, copy bandwidth {copy_bw} TB/s measured in the same run; "
         f"{record['wall_s']:.0f} s. Times are microseconds per call.",
         "",
@@ -259,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = tuple(int(r) for r in args.rows.split(","))
     except ValueError:
         parser.error(f"--rows: comma-separated integers (got {args.rows!r})")
-    if not rows or min(rows) < 1 or max(rows) > 16:
-        parser.error("--rows: 1..16 (the skinny kernels' rows)")
+    if not rows or min(rows) < 1 or max(rows) > 64:
+        parser.error("--rows: 1..64 (the skinny kernels' rows: FP8's up to 64, int4's 16)")
     shapes = args.shapes.split(",")
     formats = args.formats.split(",")
     if bad := [s for s in shapes if s not in SHAPES or s == "lm_head"]:
@@ -285,20 +287,25 @@ def main(argv: list[str] | None = None) -> int:
             make = _fp8_case if fmt == "fp8" else _int4_case
             weights, wbytes = make(n, k, copies, gen)
             for r in rows:
+                if fmt == "int4" and r > INT4_MAX_ROWS:
+                    continue
                 p = bench_point(fmt, name, n, k, r, weights, wbytes, copy_bw,
                                 props.multi_processor_count, gen)  # fmt: skip
                 points.append(p)
-                b = bf16[-len(rows) + rows.index(r)]
+                b = next(x for x in bf16 if x["shape"] == name and x["rows"] == r)
                 best = p["best"] or {}
                 print(f"{fmt:5s} {name:8s} rows {r:2d}: bf16 {b['us']:8.2f} us, best "
                       f"{best.get('us', float('nan')):8.2f} us ({best.get('variant')})",
                       flush=True)  # fmt: skip
             del weights
             torch.cuda.empty_cache()
+    from loadtests.lab.peer.main import git_commit
+
     record = {
         "benchmark": "quant-linear",
         "device": props.name,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": git_commit(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "copy_bw_tbps": round(copy_bw, 3),
