@@ -69,6 +69,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "decoding in bf16, FP8 and W4A16 against each format's roofline (AR or adaptive)",
     ),
+    "quant-agreement": (
+        "loadtests.lab.quant_agreement",
+        "main",
+        "greedy agreement of FP8 and W4A16 weights with bf16 (the demo target, CPU)",
+    ),
     "quant-linear": (
         "loadtests.lab.kernels.quant_linear",
         "main",
