@@ -23,7 +23,9 @@ PHASES = ("gemm", "attention", "norm", "rope", "activation", "sampling", "copy",
 RULES: tuple[tuple[str, str], ...] = (
     ("attention", r"^_(verify_attention|merge_splits|delta_rows|replay)_kernel$"),
     ("rope", r"^_(qk_norm_rope_kv|rope_and_write_kv)_kernel$"),
-    ("gemm", r"^_(skinny_linear|reduce_splits|int4_skinny|int4_tiled)_kernel$"),
+    # the quantized layers' split-K reduction and FP8 activation quantization belong to them
+    ("gemm", r"^_(skinny_linear|reduce_splits|int4_skinny|int4_tiled|fp8_skinny)_kernel$"),
+    ("gemm", r"^_(reduce|quantize_rows)_kernel$"),
     ("norm", r"^_(head_)?rms_norm_kernel$"),
     ("activation", r"^_silu_and_mul_kernel$"),
     ("sampling", r"^_((chunk|merge)_top_k(_sorted)?|accept_(greedy|rejection))_kernel$"),
