@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from hipfire_serve.cost_profile.build import build_profile
 from hipfire_serve.cost_profile.cache import cached_profile_path, engine_profile_key, save_profile
+from hipfire_serve.cost_profile.default import default_cost_model
 from scheduler.cost_model import CostModel
 
 if TYPE_CHECKING:
@@ -24,7 +25,8 @@ def resolve_cost_model(engine: Engine) -> CostModel | None:
     """The cost model `engine.config.cost_profile` names. A path: that profile. 'auto': the
     cached profile of these models on this device (`hipfire-serve profile` writes it); without
     one, on a GPU a quick profile is measured now on the (idle) engine and cached, on a CPU
-    None: the scheduler's flat default, which online calibration corrects. 'build': measure and
+    the flat default shaped for the engine's drafter (`default.py`), which online calibration
+    corrects. 'build': measure and
     cache now, on any device."""
     path = engine.config.cost_profile
     if path in ("auto", "build"):
@@ -40,7 +42,7 @@ def resolve_cost_model(engine: Engine) -> CostModel | None:
             save_profile(profile, key, cached)
         elif not cached.is_file():
             log.info("no cost profile cached for this set-up (run `hipfire-serve profile`)")
-            return None
+            return default_cost_model(engine)
         path = str(cached)
     try:
         return CostModel.from_file(path)

@@ -157,3 +157,26 @@ def test_the_context_write_goes_in_and_out_of_the_target_curves():
     assert other["target"]["spec_rows_ms"] == target["spec_rows_ms"]
     assert other["target"]["prefill_rows_ms"] == target["prefill_rows_ms"]
     assert "spec_round_ratio" not in other["target"]
+
+
+def test_without_a_profile_a_block_drafter_is_priced_as_one(block_profile, tmp_path, monkeypatch):
+    """A CPU's first start has no profile: the flat default keeps a block drafter's shape (one
+    forward whatever the depth, lag free), where the chain default would charge a step per draft
+    and a catch-up per AR round, and the adaptive policy would never speculate with it."""
+    from hipfire_serve.cost_profile import cache, resolve_cost_model
+    from scheduler.cost_model import CostModel
+    from scheduler.scheduler import default_profile
+
+    engine, _ = block_profile
+    monkeypatch.setattr(cache, "CACHE_DIR", tmp_path)  # nothing cached
+    block = resolve_cost_model(engine)
+    chain = CostModel(ProfileCost(default_profile()))
+
+    def spec_ms(model, depth, lag=0):
+        return model.raw_ms_scalar(1 + depth, 100 + depth, depth, 1, lag)
+
+    # a deeper block costs no more than its rows (0.01 ms each); a chain pays 1 ms a step
+    assert 0.0 <= spec_ms(block, 3) - spec_ms(block, 1) <= 0.03
+    assert spec_ms(chain, 3) - spec_ms(chain, 1) >= 2.0
+    assert spec_ms(block, 1, lag=60) == pytest.approx(spec_ms(block, 1), abs=1e-6)
+    assert spec_ms(chain, 1, lag=60) > spec_ms(chain, 1)
