@@ -67,11 +67,12 @@ __all__ = [
 def default_profile() -> dict:
     """A flat profile for a scheduler without one: 10 ms per round plus 0.01 ms per row, a
     chain draft step of 1 ms (2 ms at 4096 rows). Online calibration scales it to the rounds
-    it sees; `hipfire_serve/cost_profile/default.py` reshapes its drafter part for a block
-    drafter."""
+    it sees, per class and row bucket; the points at every power of two are those buckets, so
+    it can learn how rounds grow with rows (little on a GPU, nearly linearly on a CPU).
+    `hipfire_serve/cost_profile/default.py` reshapes its drafter part for a block drafter."""
     return {
         "target": {
-            "rows_ms": [[1, 10.0], [4096, 10.0 + 0.01 * 4095]],
+            "rows_ms": [[1 << i, 10.0 + 0.01 * ((1 << i) - 1)] for i in range(13)],
             "kv_bytes_per_token": 0,
             "kv_read_TBps_assumed": 1.0,
         },
