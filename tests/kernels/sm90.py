@@ -19,6 +19,16 @@ TARGET = GPUTarget("cuda", 90, 32)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def triton_backends() -> set[str]:
+    """The code generators this Triton build has ('nvidia', 'amd'): a compile check needs its
+    target's."""
+    try:
+        from triton.backends import backends
+    except ImportError:
+        return set()
+    return set(backends)
+
+
 def run_compile_check(module: str) -> str:
     """Runs a compile-check module in a fresh interpreter (no TRITON_INTERPRET); its stdout.
     Fails the calling test with the module's output tail when it exits non-zero."""

@@ -25,7 +25,7 @@ from kernels.fp8_linear import (
     quantize_rows_ref,
     skinny_config,
 )
-from tests.kernels.sm90 import run_compile_check
+from tests.kernels.sm90 import run_compile_check, triton_backends
 
 FP8 = torch.float8_e4m3fn
 NAN_CODES = (0x7F, 0xFF)
@@ -123,15 +123,9 @@ def test_reference_takes_the_wrappers_arguments():
     assert inspect.signature(fp8_linear) == inspect.signature(fp8_linear_ref)
 
 
-def _backends() -> set[str]:
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return set()
-    return set(backends)
-
-
-@pytest.mark.skipif(not {"nvidia", "amd"} <= _backends(), reason="Triton without both backends")
+@pytest.mark.skipif(
+    not {"nvidia", "amd"} <= triton_backends(), reason="Triton without both backends"
+)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real")
 def test_hopper_rdna_and_default_entries_compile():
     out = run_compile_check("tests.kernels.fp8_compile")

@@ -21,7 +21,7 @@ from kernels.int4_linear import (
     int4_tiles,
     skinny_config,
 )
-from tests.kernels.sm90 import run_compile_check
+from tests.kernels.sm90 import run_compile_check, triton_backends
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -124,15 +124,9 @@ def test_launch_rules():
     assert {"hopper", "rdna3", "rdna4", "cdna3", "ampere_ada", "default"} <= set(INT4_TILES)
 
 
-def _backends() -> set[str]:
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return set()
-    return set(backends)
-
-
-@pytest.mark.skipif(not {"nvidia", "amd"} <= _backends(), reason="Triton without both backends")
+@pytest.mark.skipif(
+    not {"nvidia", "amd"} <= triton_backends(), reason="Triton without both backends"
+)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real")
 def test_hopper_and_rdna_entries_compile():
     assert run_compile_check("tests.kernels.int4_compile").count("ok ") == 12

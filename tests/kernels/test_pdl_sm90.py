@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tests.kernels.sm90 import triton_backends
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _NAME = re.compile(r"%[\w.$]+")
 _MEMORY_WRITES = ("tt.store", "tt.atomic_rmw", "tt.atomic_cas", "tt.descriptor_store")
@@ -282,15 +284,7 @@ def test_the_ptx_check_rejects_global_accesses_before_the_wait():
     assert check_ptx("\n".join([wait, load]), False) == ["no griddepcontrol.launch_dependents"]
 
 
-def _nvidia_backend_available() -> bool:
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return False
-    return "nvidia" in backends
-
-
-@pytest.mark.skipif(not _nvidia_backend_available(), reason="Triton without its NVIDIA backend")
+@pytest.mark.skipif("nvidia" not in triton_backends(), reason="Triton without its NVIDIA backend")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real")
 def test_pdl_kernels_wait_before_touching_earlier_kernels_data():
     from tests.kernels.sm90 import run_compile_check

@@ -10,21 +10,15 @@ import pytest
 import torch
 
 from tests.kernels.attention_sm90_compile import SHAPES
-from tests.kernels.sm90 import run_compile_check
+from tests.kernels.sm90 import run_compile_check, triton_backends
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _nvidia_backend_available() -> bool:
-    try:
-        from triton.backends import backends
-    except ImportError:
-        return False
-    return "nvidia" in backends
-
-
 pytestmark = [
-    pytest.mark.skipif(not _nvidia_backend_available(), reason="Triton without its NVIDIA backend"),
+    pytest.mark.skipif(
+        "nvidia" not in triton_backends(), reason="Triton without its NVIDIA backend"
+    ),
     pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real"),
 ]
 
