@@ -10,6 +10,14 @@ and the query-group repeat are one index instead of two copies, which moves the 
 results are bitwise those of `kernels.*_ref`; `tests/executor/test_cpu_ops.py` holds them to it.
 An FP8 cache is stored and read by the references' own rule (`kernels.kv_fp8`), with the bytes
 moved through uint8 views where torch's CPU ops have no float8 kernel (index_copy_).
+
+Linear layers (`linear`) are the one place that departs from the references' operands: a weight
+with more outputs than inputs (fused q/k/v, gate/up, the LM head) is multiplied from a copy
+stored transposed, [K, N], made at its first use and held while the weight lives. At decode's
+few rows a CPU BLAS streams [K, N] with N contiguous about twice as fast as the [N, K] F.linear
+reads (measured on the demo model's shapes, `docs/perf/cpu-host-cost.md`), and no slower at
+more rows; weights with fewer outputs than inputs are faster as they are. The products are
+F.linear's up to rounding (a different summation order).
 """
 
 from __future__ import annotations
@@ -21,6 +29,25 @@ from kernels.attention import verify_attention_ref
 from kernels.fused_qk import qk_norm_rope_and_write_kv_ref
 from kernels.kv_fp8 import check_kv_scales, is_fp8, kv_store_ref
 from kernels.norms import rms_norm_ref, silu_and_mul_ref
+
+# the attribute of a weight holding (its version when copied, the copy [K, N]): the copy lives
+# and goes with the weight
+_TRANSPOSED = "_hipfire_cpu_transposed"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear(x, weight, bias) for a dense weight [N, K]; N > K multiplies a transposed copy
+    (see the module doc)."""
+    n, k = weight.shape
+    if n <= k or weight.requires_grad:
+        return torch.nn.functional.linear(x, weight, bias)
+    held = getattr(weight, _TRANSPOSED, None)
+    if held is None or held[0] != weight._version:
+        held = (weight._version, weight.t().contiguous())
+        setattr(weight, _TRANSPOSED, held)
+    flat = x.reshape(-1, k)
+    out = torch.mm(flat, held[1]) if bias is None else torch.addmm(bias, flat, held[1])
+    return out.reshape(*x.shape[:-1], n)
 
 
 class ForwardPlan:

@@ -229,4 +229,4 @@ class Model:
         if not self.quantized:
             return dense
         # the Triton op set is the one whose linear is not torch's own
-        return quant_linear(dense, kernels=self.ops.linear is not torch.nn.functional.linear)
+        return quant_linear(dense, kernels=self.ops.kernels)

@@ -42,6 +42,8 @@ class OpSet:
     verify_attention: object
     argmax_rows: object
     linear: object  # F.linear's signature; the model calls it only when skinny_linear_enabled()
+    # whether these are the Triton kernels (quantized layers then run their own kernels too)
+    kernels: bool = False
     # (positions, slot_mapping, cos_sin, meta=None, causal=True) -> a plan the forward hands to
     # qk_norm_rope_and_write_kv and verify_attention as `plan=`; None: they take no plan
     forward_plan: object = None
@@ -77,14 +79,14 @@ def cpu_ops() -> OpSet:
         silu_and_mul=cpu.silu_and_mul,
         verify_attention=cpu.verify_attention,
         argmax_rows=_load("argmax", "argmax_rows_ref"),
-        linear=torch.nn.functional.linear,
+        linear=cpu.linear,
         forward_plan=cpu.forward_plan,
     )
 
 
 def triton_ops() -> OpSet:
     ops = {field: _load(module, name) for field, module, name in _KERNELS}
-    return OpSet(**ops, linear=_load("skinny_linear", "linear"))
+    return OpSet(**ops, linear=_load("skinny_linear", "linear"), kernels=True)
 
 
 def select_ops(device: torch.device, backend: str = "auto") -> OpSet:

@@ -133,8 +133,7 @@ class BlockDraftModel:
         self._context_linear = self.decoder._linear()
         packed = (self.weights.fc, self.context_kv)
         if not self.decoder.quantized and any(isinstance(w, QuantLinear) for w in packed):
-            kernels = self.decoder.ops.linear is not torch.nn.functional.linear
-            self._context_linear = quant_linear(self._context_linear, kernels)
+            self._context_linear = quant_linear(self._context_linear, self.decoder.ops.kernels)
 
     @property
     def weight_bytes(self) -> int:

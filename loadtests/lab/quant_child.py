@@ -71,7 +71,7 @@ def linear_path(model) -> str:
     from executor.quant.int4 import Int4Linear
 
     qkv = model.weights.layers[0].qkv
-    kernels = model.ops.linear is not torch.nn.functional.linear
+    kernels = model.ops.kernels
     if isinstance(qkv, Fp8Linear):
         return (
             "FP8 (the 128x128 block scales requantized per output channel at load): 1-16 rows "

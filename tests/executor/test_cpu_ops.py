@@ -109,3 +109,25 @@ def test_norms_match_references_bitwise(dtype):
 def test_cpu_models_take_the_cpu_op_set():
     assert select_ops(torch.device("cpu")).forward_plan is cpu_ops.forward_plan
     assert select_ops(torch.device("cpu"), "torch").forward_plan is cpu_ops.forward_plan
+
+
+@pytest.mark.parametrize(("n", "k"), [(96, 32), (32, 96), (40, 40)])
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 3)])
+def test_linear_matches_f_linear(n, k, lead):
+    """cpu_ops.linear is F.linear up to rounding, wide weights (N > K) multiplied from their
+    transposed copy; the copy is made once and made again after the weight changes in place."""
+    gen = torch.Generator().manual_seed(n * k + len(lead))
+    w = torch.randn((n, k), generator=gen)
+    b = torch.randn((n,), generator=gen)
+    x = torch.randn((*lead, k), generator=gen)
+    for bias in (None, b):
+        got = cpu_ops.linear(x, w, bias)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias))
+        assert got.shape == (*lead, n)
+    held = getattr(w, cpu_ops._TRANSPOSED, None)
+    assert (held is not None) == (n > k)
+    if n > k:
+        cpu_ops.linear(x, w)
+        assert getattr(w, cpu_ops._TRANSPOSED) is held  # reused
+        w.mul_(2.0)
+        torch.testing.assert_close(cpu_ops.linear(x, w), torch.nn.functional.linear(x, w))
