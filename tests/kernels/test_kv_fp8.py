@@ -25,7 +25,7 @@ from kernels.kv_fp8 import FP8_E4M3_MAX, FP8_KV_DTYPE, kv_load_ref, kv_store_ref
 from kernels.rope_kv import rope_and_write_kv, rope_and_write_kv_ref
 from tests.kernels.paged import ATTENTION_TOL, ragged_batch, rel_err
 from tests.kernels.qkv_cases import QkvCase, build_inputs
-from tests.kernels.test_sm90_compile import _nvidia_backend_available
+from tests.kernels.sm90 import run_compile_check, triton_backends
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = FP8_KV_DTYPE
@@ -315,9 +315,7 @@ def test_gpu_captured_fp8_layer_reads_its_scales_from_the_device():
 
 
 # -- sm_90 builds without a GPU ---------------------------------------------------------------
-@pytest.mark.skipif(not _nvidia_backend_available(), reason="Triton without its NVIDIA backend")
+@pytest.mark.skipif("nvidia" not in triton_backends(), reason="Triton without its NVIDIA backend")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles the kernels for real")
 def test_fp8_variants_compile_for_sm90():
-    from tests.kernels.sm90 import run_compile_check
-
     assert run_compile_check("tests.kernels.kv_fp8_sm90_compile").count("ok ") == 4
