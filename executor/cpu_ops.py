@@ -11,13 +11,14 @@ results are bitwise those of `kernels.*_ref`; `tests/executor/test_cpu_ops.py` h
 An FP8 cache is stored and read by the references' own rule (`kernels.kv_fp8`), with the bytes
 moved through uint8 views where torch's CPU ops have no float8 kernel (index_copy_).
 
-Linear layers (`linear`) are the one place that departs from the references' operands: a weight
-with more outputs than inputs (fused q/k/v, gate/up, the LM head) is multiplied from a copy
-stored transposed, [K, N], made at its first use and held while the weight lives. At decode's
-few rows a CPU BLAS streams [K, N] with N contiguous about twice as fast as the [N, K] F.linear
-reads (measured on the demo model's shapes, `docs/perf/cpu-host-cost.md`), and no slower at
-more rows; weights with fewer outputs than inputs are faster as they are. The products are
-F.linear's up to rounding (a different summation order).
+Linear layers (`linear`) are the one place that departs from the references' operands: a wide
+weight (at least `WIDE` times more outputs than inputs: gate/up, the LM head) is multiplied as
+the CPU BLAS streams it fastest at the round's row count. One row, or more than `FEW_ROWS`:
+x @ W^T against a copy stored [K, N] (made at its first use, held while the weight lives); 2 to
+`FEW_ROWS` rows: W @ x^T on the weight as it is, transposed back. On the demo model's LM head
+(8192 x 384, fp32, one thread) that took 636 us at one row and 1,039 at four, against 1,525 and
+2,155 for F.linear (`docs/perf/cpu-host-cost.md`). Other weights are fastest through F.linear.
+The products are F.linear's up to rounding (a different summation order).
 """
 
 from __future__ import annotations
@@ -33,19 +34,27 @@ from kernels.norms import rms_norm_ref, silu_and_mul_ref
 # the attribute of a weight holding (its version when copied, the copy [K, N]): the copy lives
 # and goes with the weight
 _TRANSPOSED = "_hipfire_cpu_transposed"
+WIDE = 4  # outputs per input from which a weight is wide
+FEW_ROWS = 8  # rows up to which W @ x^T beats both other forms on a wide weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear(x, weight, bias) for a dense weight [N, K]; N > K multiplies a transposed copy
-    (see the module doc)."""
+    """F.linear(x, weight, bias) for a dense weight [N, K], a wide one multiplied in the form
+    its row count runs fastest in (see the module doc)."""
     n, k = weight.shape
-    if n <= k or weight.requires_grad:
+    if n < WIDE * k or weight.requires_grad:
         return torch.nn.functional.linear(x, weight, bias)
+    flat = x.reshape(-1, k)
+    rows = flat.shape[0]
+    if 2 <= rows <= FEW_ROWS:
+        out = torch.mm(weight, flat.t()).t().contiguous()  # [rows, N]
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], n)
     held = getattr(weight, _TRANSPOSED, None)
     if held is None or held[0] != weight._version:
         held = (weight._version, weight.t().contiguous())
         setattr(weight, _TRANSPOSED, held)
-    flat = x.reshape(-1, k)
     out = torch.mm(flat, held[1]) if bias is None else torch.addmm(bias, flat, held[1])
     return out.reshape(*x.shape[:-1], n)
 

@@ -111,11 +111,12 @@ def test_cpu_models_take_the_cpu_op_set():
     assert select_ops(torch.device("cpu"), "torch").forward_plan is cpu_ops.forward_plan
 
 
-@pytest.mark.parametrize(("n", "k"), [(96, 32), (32, 96), (40, 40)])
-@pytest.mark.parametrize("lead", [(1,), (5,), (2, 3)])
+@pytest.mark.parametrize(("n", "k"), [(160, 32), (96, 32), (32, 96), (40, 40)])
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 3), (12,)])
 def test_linear_matches_f_linear(n, k, lead):
-    """cpu_ops.linear is F.linear up to rounding, wide weights (N > K) multiplied from their
-    transposed copy; the copy is made once and made again after the weight changes in place."""
+    """cpu_ops.linear is F.linear up to rounding in each of its forms (a wide weight: one row
+    and many rows from its transposed copy, a few rows as W @ x^T); the copy is made once and
+    made again after the weight changes in place."""
     gen = torch.Generator().manual_seed(n * k + len(lead))
     w = torch.randn((n, k), generator=gen)
     b = torch.randn((n,), generator=gen)
@@ -123,10 +124,12 @@ def test_linear_matches_f_linear(n, k, lead):
     for bias in (None, b):
         got = cpu_ops.linear(x, w, bias)
         torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias))
-        assert got.shape == (*lead, n)
+        assert got.shape == (*lead, n) and got.is_contiguous()
+    rows = x.numel() // k
+    copied = n >= cpu_ops.WIDE * k and not 2 <= rows <= cpu_ops.FEW_ROWS
     held = getattr(w, cpu_ops._TRANSPOSED, None)
-    assert (held is not None) == (n > k)
-    if n > k:
+    assert (held is not None) == copied
+    if copied:
         cpu_ops.linear(x, w)
         assert getattr(w, cpu_ops._TRANSPOSED) is held  # reused
         w.mul_(2.0)
