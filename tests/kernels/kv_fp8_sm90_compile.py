@@ -17,33 +17,16 @@ from kernels.attention_kernel import _verify_attention_kernel
 from kernels.attention_tiling import plan_launch, seqs_pad
 from kernels.fused_qk import _qk_norm_rope_kv_kernel
 from kernels.rope_kv import _rope_and_write_kv_kernel
-from tests.kernels.sm90 import compile_sm90
+from tests.kernels.sm90 import bf16_arg_types, compile_sm90
 
 _CACHE_PTRS = ("k_cache_ptr", "v_cache_ptr")
 _FP32_PTRS = ("k_scale_ptr", "v_scale_ptr", "cos_sin_ptr", "part_out_ptr", "part_lse_ptr")
 _INT_PTRS = ("cu_q_lens_ptr", "seq_lens_ptr", "block_tables_ptr")
 
 
-def _arg_type(cache_ptrs: tuple[str, ...]):
-    def arg_type(name: str) -> str:
-        if name in cache_ptrs:
-            return "*fp8e4nv"
-        if name in _FP32_PTRS:
-            return "*fp32"
-        if name in _INT_PTRS:
-            return "*i32"
-        if name in ("pos_ptr", "slot_ptr"):
-            return "*i64"
-        if name.endswith("_ptr"):
-            return "*bf16"
-        return "fp32" if name in ("eps", "scale_log2") else "i32"
-
-    return arg_type
-
-
 def variants():
     """(name, kernel, constexprs, argument types, options)."""
-    writer_types = _arg_type(_CACHE_PTRS)
+    writer_types = bf16_arg_types(_FP32_PTRS, _INT_PTRS, fp8_ptrs=_CACHE_PTRS)
     yield ("qk_norm_rope_kv", _qk_norm_rope_kv_kernel,
            dict(PAGE_SIZE=16, HEAD_DIM=128, D_PAD=128, HALF=64, HALF_PAD=64, PASS_PAD=1,
                 HEADS=8, IS_NEOX=True, QK_NORM=True, KV_FP8=True),
@@ -53,7 +36,7 @@ def variants():
            dict(PAGE_SIZE=16, HEAD_DIM=128, D_PAD=128, HALF=32, HALF_PAD=32, PASS_PAD=64,
                 QH_PAD=32, KH_PAD=8, IS_NEOX=True, KV_FP8=True),
            writer_types, {"num_warps": 8})  # fmt: skip
-    attn_types = _arg_type(("k_ptr", "v_ptr"))
+    attn_types = bf16_arg_types(_FP32_PTRS, _INT_PTRS, fp8_ptrs=("k_ptr", "v_ptr"))
     hopper = arch.FAMILY_CONFIGS["hopper"]
     arch._config_for = lambda device_type, index: (hopper, 132)  # plan as on an H200
     # a split decode launch, and speculative groups of 16 rows with q.k issued a tile ahead

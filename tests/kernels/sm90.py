@@ -29,6 +29,27 @@ def triton_backends() -> set[str]:
     return set(backends)
 
 
+def bf16_arg_types(fp32_ptrs=(), int_ptrs=(), fp8_ptrs=()) -> Callable[[str], str]:
+    """Triton argument types of a bf16 decode kernel by argument name: the named pointers fp8
+    (e4m3), fp32 or int32, positions and slots int64, other pointers bf16; eps and the log2
+    softmax scale fp32, other scalars int32."""
+
+    def arg_type(name: str) -> str:
+        if name in fp8_ptrs:
+            return "*fp8e4nv"
+        if name in fp32_ptrs:
+            return "*fp32"
+        if name in int_ptrs:
+            return "*i32"
+        if name in ("pos_ptr", "slot_ptr"):
+            return "*i64"
+        if name.endswith("_ptr"):
+            return "*bf16"
+        return "fp32" if name in ("eps", "scale_log2") else "i32"
+
+    return arg_type
+
+
 def run_compile_check(module: str) -> str:
     """Runs a compile-check module in a fresh interpreter (no TRITON_INTERPRET); its stdout.
     Fails the calling test with the module's output tail when it exits non-zero."""

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tests.kernels.sm90 import triton_backends
+from tests.kernels.sm90 import bf16_arg_types, triton_backends
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _NAME = re.compile(r"%[\w.$]+")
@@ -107,21 +107,6 @@ def check_ptx(ptx: str, weight_loads_allowed: bool) -> list[str]:
     return problems
 
 
-def _arg_type(float_ptrs: tuple[str, ...] = (), int_ptrs: tuple[str, ...] = ()):
-    def arg_type(name: str) -> str:
-        if name in float_ptrs:
-            return "*fp32"
-        if name in int_ptrs:
-            return "*i32"
-        if name in ("pos_ptr", "slot_ptr"):
-            return "*i64"
-        if name.endswith("_ptr"):
-            return "*bf16"
-        return "fp32" if name in ("eps", "scale_log2") else "i32"
-
-    return arg_type
-
-
 def variants():
     """(name, kernel, constexprs, argument types, options, weight arguments read before the
     wait): every kernel of the decode forward in the forms the Qwen3 shapes launch."""
@@ -139,16 +124,16 @@ def variants():
 
     for residual in (False, True):
         yield (f"rms_norm residual={residual}", _rms_norm_kernel,
-               dict(HAS_RESIDUAL=residual, BLOCK=4096), _arg_type(), {"num_warps": 8},
+               dict(HAS_RESIDUAL=residual, BLOCK=4096), bf16_arg_types(), {"num_warps": 8},
                {"%w_ptr"})  # fmt: skip
-    yield ("silu_and_mul", _silu_and_mul_kernel, dict(BLOCK=4096), _arg_type(),
+    yield ("silu_and_mul", _silu_and_mul_kernel, dict(BLOCK=4096), bf16_arg_types(),
            {"num_warps": 8}, set())  # fmt: skip
     yield ("qk_norm_rope_kv", _qk_norm_rope_kv_kernel,
            dict(PAGE_SIZE=16, HEAD_DIM=128, D_PAD=128, HALF=64, HALF_PAD=64, PASS_PAD=1,
                 HEADS=8, IS_NEOX=True, QK_NORM=True),
-           _arg_type(float_ptrs=("cos_sin_ptr",)), {"num_warps": 8}, set())  # fmt: skip
-    attn_types = _arg_type(
-        float_ptrs=("part_out_ptr", "part_lse_ptr"),
+           bf16_arg_types(fp32_ptrs=("cos_sin_ptr",)), {"num_warps": 8}, set())  # fmt: skip
+    attn_types = bf16_arg_types(
+        fp32_ptrs=("part_out_ptr", "part_lse_ptr"),
         int_ptrs=("cu_q_lens_ptr", "seq_lens_ptr", "block_tables_ptr"),
     )
     hopper = arch.FAMILY_CONFIGS["hopper"]
@@ -173,7 +158,7 @@ def variants():
     yield ("merge_splits", _merge_splits_kernel,
            dict(HEAD_DIM=128, D_PAD=128, SPLITS_PAD=splits_pad(8)), attn_types,
            {"num_warps": 4}, set())  # fmt: skip
-    skinny_types = _arg_type(float_ptrs=("part_ptr",), int_ptrs=("counter_ptr",))
+    skinny_types = bf16_arg_types(fp32_ptrs=("part_ptr",), int_ptrs=("counter_ptr",))
     # one split launch reduced by its last split, one by the second kernel, one unsplit, one
     # fp32 multiply-add launch
     for n, k, rows in ((1024, 3072, 1), (1024, 2048, 1), (6144, 4096, 1)):
@@ -208,7 +193,7 @@ def _reads_before_its_wait(x_ptr, w_ptr, out_ptr, USE_PDL: tl.constexpr = False)
 def main() -> int:
     from tests.kernels.sm90 import compile_sm90
 
-    bad = compile_sm90(_reads_before_its_wait, {"USE_PDL": True}, _arg_type(),
+    bad = compile_sm90(_reads_before_its_wait, {"USE_PDL": True}, bf16_arg_types(),
                        {"launch_pdl": True}, "negative control")  # fmt: skip
     if bad is None:
         return 1
